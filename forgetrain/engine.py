@@ -1,0 +1,104 @@
+"""The protocol every training engine (forged scenario or reference) implements.
+
+The harness (``forgetrain.train``) owns the loop around an engine: data order, trace, checkpoints, logging and
+evaluation. The engine owns one optimizer step end to end: forward, backward, gradient accumulation, clipping,
+LR schedule and the optimizer update. That split is what lets a forged engine fuse freely while both sides see
+identical inputs.
+
+Neutral layouts
+---------------
+* Weights and gradients cross the boundary in the **HF-Llama layout** (``model.embed_tokens.weight``,
+  ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
+  ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight``, ``lm_head.weight``),
+  fp32, ``[out_features, in_features]``. q/k rows are in Megatron/Meta order (no HF rotary permutation): both
+  engines use rotate-half RoPE on the same head-dim order, so the exchange is a pure re-slicing of QKV/fc1.
+* Module probes use neutral names: ``embedding``, ``layers.{i}.input_norm``, ``layers.{i}.self_attention``,
+  ``layers.{i}.pre_mlp_norm``, ``layers.{i}.mlp``, ``final_norm``, ``output_layer``. Each probe's first tensor
+  output is recorded (``[s, b, h]`` sequence-first; ``output_layer`` gives ``[s, b, vocab]``).
+
+Batches
+-------
+A micro-batch is an int64 tensor ``[micro_batch_size, seq_length + 1]`` of token ids: inputs are ``[:, :-1]``,
+labels ``[:, 1:]``. Every label position counts in the loss (no padding, no loss mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+HF_NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports.
+
+    loss: mean per-token cross-entropy over all micro-batches of this rank's step, nats (Megatron's reported loss:
+        the mean over micro-batches of each micro-batch's token mean).
+    grad_norm: global L2 norm of the accumulated gradient before clipping.
+    lr: learning rate used by this step's update.
+    per_token_loss: fp32 ``[num_micro_batches, micro_batch_size, seq_length]`` per-token losses (for digests).
+    """
+
+    loss: float
+    grad_norm: float
+    lr: float
+    per_token_loss: torch.Tensor | None = None
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """Constructed as ``Engine(cfg: RunConfig, device: torch.device)``; the process group, if any, already exists.
+
+    ``init_weights`` must be deterministic in ``cfg.train.seed``. ``train_step`` raises ValueError on a
+    micro-batch of the wrong shape.
+    """
+
+    def init_weights(self) -> None: ...
+
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def export_hf_grads(self) -> dict[str, torch.Tensor]: ...
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult: ...
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> float: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def module_probes(self) -> dict[str, torch.nn.Module]: ...
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+def forward_names(num_layers: int) -> Iterable[str]:
+    """Neutral module-probe names in forward order."""
+    yield "embedding"
+    for i in range(num_layers):
+        yield f"layers.{i}.input_norm"
+        yield f"layers.{i}.self_attention"
+        yield f"layers.{i}.pre_mlp_norm"
+        yield f"layers.{i}.mlp"
+    yield "final_norm"
+    yield "output_layer"
+
+
+def hf_param_names(num_layers: int) -> list[str]:
+    """HF-Llama parameter names in forward order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight",
+                  p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                  p + "mlp.down_proj.weight"]
+    names += ["model.norm.weight", "lm_head.weight"]
+    return names

@@ -1,0 +1,42 @@
+"""User-facing errors. Anything raised as a :class:`ForgeTrainError` is printed as one line and exits non-zero."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+
+class ForgeTrainError(Exception):
+    """An error caused by the user's input or environment; printed as ``error: <message>``, exit code 2."""
+
+    exit_code = 2
+
+
+class ConfigError(ForgeTrainError):
+    """The composed config is invalid."""
+
+
+class DataError(ForgeTrainError):
+    """A dataset or tokenizer is missing or corrupt."""
+
+
+class CheckpointError(ForgeTrainError):
+    """A checkpoint is missing, incomplete or incompatible."""
+
+
+def one_line_errors(fn):
+    """Decorator for entry points: ForgeTrainError -> one line on stderr and ``sys.exit(exit_code)``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ForgeTrainError as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
+
+    return wrapper

@@ -1,0 +1,112 @@
+"""The per-step trace: one JSON record per optimizer step, written by both sides in the same format.
+
+A trace directory holds:
+
+* ``meta.json``    -- ``{"side", "scenario", "config_hash", "precision", "platform", "versions", "steps"}``
+* ``trace.jsonl``  -- one record per step: ``step`` (1-based, after the update), ``loss`` (nats), ``grad_norm``
+  (pre-clip L2), ``lr``, ``tokens`` (cumulative, all ranks), ``step_s`` (s), ``tokens_per_s``, ``mfu_pct``,
+  optionally ``val_loss`` and ``digests`` (``per_token_loss``: sha256; ``params``/``grads``: name -> sha256 of the
+  fp32 HF-layout tensor after / used by this step).
+* ``modules.json`` -- optional, step-1 module probes: name -> {"fwd", "fwd_l2", "grad", "grad_l2"}.
+* ``final.safetensors`` -- optional, the final parameters in the HF layout (fp32).
+
+Floats are Python floats written with ``repr`` (JSON round-trips float64 exactly), so bitwise comparison of two
+traces is meaningful. Every file is written atomically (temp file + ``os.replace``); the JSONL is rewritten whole
+on each flush so a crash never leaves a half line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 (first 16 hex) of a tensor's bytes, dtype and shape; layout-sensitive by design."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    a = t.contiguous().cpu().numpy()
+    h = hashlib.sha256()
+    h.update(f"{a.dtype}:{tuple(a.shape)}:".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a crash leaves either the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+class TraceWriter:
+    """Accumulates step records and flushes ``trace.jsonl`` atomically.
+
+    On resume, pass the records already on disk up to the checkpoint step via ``existing`` so the resumed trace
+    is the uninterrupted one.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, meta: dict, existing: Iterable[dict] = ()):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict] = list(existing)
+        atomic_write_json(self.dir / "meta.json", meta)
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+
+    def flush(self) -> None:
+        data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records)
+        atomic_write_bytes(self.dir / "trace.jsonl", data.encode())
+
+    def write_modules(self, modules: dict) -> None:
+        atomic_write_json(self.dir / "modules.json", modules)
+
+    def write_final_params(self, params: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save
+
+        atomic_write_bytes(self.dir / "final.safetensors",
+                           save({k: v.detach().float().contiguous().cpu() for k, v in params.items()}))
+
+
+def read_trace(trace_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """Return ``(meta, records)`` of a trace directory. Raises FileNotFoundError when it has no trace."""
+    d = Path(trace_dir)
+    meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
+    lines = (d / "trace.jsonl").read_text().splitlines()
+    return meta, [json.loads(x) for x in lines if x.strip()]
+
+
+def read_modules(trace_dir: str | os.PathLike) -> dict | None:
+    p = Path(trace_dir) / "modules.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def read_final_params(trace_dir: str | os.PathLike) -> dict[str, torch.Tensor] | None:
+    p = Path(trace_dir) / "final.safetensors"
+    if not p.exists():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(p))
