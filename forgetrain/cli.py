@@ -1,0 +1,109 @@
+"""Hydra entry points. ``python -m forgetrain [overrides]`` trains; ``-m`` runs sweeps.
+
+Every action is ``python -m forgetrain.<action>``: ``prepare``, ``verify``, ``bench``, ``kernels``, ``forge``.
+Bad input (unknown scenario or key, invalid values, missing/corrupt data) ends with one line on stderr
+(``error: ...``) and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+_HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--version", "--shell-completion",
+                "--multirun", "-m", "--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp",
+                "--resolve", "--package", "-p", "--experimental-rerun")
+
+
+def _quiet_libraries() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def precheck_overrides(config_name: str, argv: list[str]) -> None:
+    """Compose once with Hydra's compose API so that override errors become one-line ConfigErrors.
+
+    Skipped when Hydra flags are present (sweeps, --cfg, --help), which Hydra itself handles.
+    """
+    from forgetrain.errors import ConfigError
+
+    if any(a in _HYDRA_FLAGS or a.split("=")[0] in _HYDRA_FLAGS for a in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("hydra.") and not a.startswith("+hydra.")]
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from forgetrain import registry
+    from forgetrain.config import register_configs
+
+    register_configs()
+    for o in overrides:  # friendlier message for the most common mistake
+        if o.startswith("scenario=") and o.split("=", 1)[1] not in registry.scenarios():
+            raise ConfigError(f"unknown scenario '{o.split('=', 1)[1]}'; known scenarios: "
+                              f"{', '.join(registry.scenarios())}")
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+        msg = lines[0] if lines else type(e).__name__
+        cause = str(e.__cause__).strip().splitlines()[0] if e.__cause__ is not None and str(e.__cause__).strip() else None
+        detail = cause
+        for i, x in enumerate(lines):
+            if x.startswith("Available options"):
+                opts = []
+                for y in lines[i + 1:]:
+                    if y.startswith("Config search path"):
+                        break
+                    if not y.endswith("_schema"):
+                        opts.append(y)
+                detail = x.rstrip(":") + ": " + ", ".join(opts)
+        raise ConfigError(f"{msg}" + (f" ({detail})" if detail else "")) from None
+
+
+def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
+    """Run ``task(cfg)`` under ``@hydra.main`` with ForgeTrain's conf dir and one-line error handling."""
+    import hydra
+
+    from forgetrain.config import register_configs
+    from forgetrain.errors import ForgeTrainError
+
+    _quiet_libraries()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        precheck_overrides(config_name, argv)
+    except ForgeTrainError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    register_configs()
+
+    @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
+    def _main(cfg):
+        try:
+            return task(cfg)
+        except ForgeTrainError as e:
+            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    _main()
+
+
+def train_task(cfg) -> None:
+    from forgetrain.config import to_run_config
+    from forgetrain.train import train
+
+    train(to_run_config(cfg))
+
+
+def main() -> None:
+    run_hydra("config", train_task)

@@ -1,0 +1,141 @@
+"""FLOPs, MFU, throughput and the metric sinks (console progress is in ``forgetrain.train``; W&B here).
+
+MFU formula (stated once, never changed silently; PaLM, Chowdhery et al. 2022, appendix B; Megatron-LM):
+
+    model FLOPs per token = 6 * (N_params - N_embedding) + 12 * L * h * s
+
+where ``N_params - N_embedding`` counts every weight except the input embedding (the LM head is counted), L is
+layers, h hidden size, s sequence length; the attention term is full (no causal halving). Then
+
+    MFU = FLOPs per token * tokens per step / step_s / (peak FLOP/s per device * devices).
+
+Peaks come from ``conf/hardware`` (H100/H200 SXM dense BF16: 989.4 TFLOP/s). On CPU there is no datasheet peak:
+the peak is a measured fp32 matmul rate on this machine, cached in the ForgeTrain cache, and the MFU is labelled
+``(vs measured CPU matmul peak)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def param_counts(model_cfg) -> dict[str, int]:
+    """Parameter counts of a Llama config: total, embedding (input), non-embedding (incl. LM head)."""
+    m = model_cfg
+    d = m.hidden_size // m.num_attention_heads
+    attn = m.hidden_size * (m.num_attention_heads * d + 2 * m.num_query_groups * d) + m.num_attention_heads * d * m.hidden_size
+    mlp = 3 * m.hidden_size * m.ffn_hidden_size
+    norms = 2 * m.hidden_size
+    layer = attn + mlp + norms
+    emb = m.vocab_size * m.hidden_size
+    head = m.vocab_size * m.hidden_size
+    total = emb + m.num_layers * layer + m.hidden_size + head
+    return {"total": total, "embedding": emb, "non_embedding": total - emb}
+
+
+def flops_per_token(model_cfg) -> float:
+    """Model FLOPs per trained token (fwd + bwd): 6 * non-embedding params + 12 * L * h * s (see module doc)."""
+    m = model_cfg
+    return 6.0 * param_counts(m)["non_embedding"] + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def mfu_pct(model_cfg, tokens_per_s: float, peak_flops: float, devices: int = 1) -> float:
+    """MFU in percent for ``tokens_per_s`` (all devices) against ``peak_flops`` FLOP/s per device."""
+    if peak_flops <= 0:
+        return float("nan")
+    return 100.0 * flops_per_token(model_cfg) * tokens_per_s / (peak_flops * devices)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FORGETRAIN_CACHE", Path.home() / ".cache" / "forgetrain"))
+
+
+def measured_cpu_peak_flops(n: int = 1024, reps: int = 8) -> float:
+    """Best fp32 matmul FLOP/s of ``n^3`` products on this CPU at torch's current thread count, cached on disk.
+
+    The cache key holds the CPU model, thread count and torch version, so a different machine re-measures.
+    """
+    key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    path = _cache_dir() / "cpu_peak.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return float(cache[key])
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    peak = 2.0 * n**3 / best
+    cache[key] = peak
+    from forgetrain.trace import atomic_write_json
+
+    try:
+        atomic_write_json(path, cache)
+    except OSError:
+        pass
+    return peak
+
+
+def peak_flops(hardware_cfg) -> tuple[float, str]:
+    """(peak FLOP/s per device, label) for the MFU denominator."""
+    if hardware_cfg.peak_tflops:
+        return hardware_cfg.peak_tflops * 1e12, f"vs {hardware_cfg.peak_tflops:g} TFLOP/s {hardware_cfg.peak_source}"
+    p = measured_cpu_peak_flops()
+    return p, f"vs measured CPU matmul peak {p / 1e9:.1f} GFLOP/s"
+
+
+class WandbLogger:
+    """Thin W&B sink; offline unless ``logger.mode`` says otherwise. Keys carry units."""
+
+    def __init__(self, logger_cfg, run_cfg_dict: dict, out_dir: str):
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self.run = wandb.init(project=logger_cfg.project, mode=logger_cfg.mode, dir=out_dir,
+                              config=run_cfg_dict, reinit=True)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def write_plots(records: list[dict], out_path: str) -> None:
+    """Loss / val-loss / tokens_per_s / mfu_pct vs step as a PNG (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].plot(steps, [r["loss"] for r in records], label="train loss")
+    ev = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if ev:
+        ax[0].plot(*zip(*ev), "o-", label="val loss")
+    ax[0].set_xlabel("step")
+    ax[0].set_ylabel("loss (nats)")
+    ax[0].legend()
+    ax[1].plot(steps, [r.get("tokens_per_s", float("nan")) for r in records])
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("tokens/s")
+    fig.tight_layout()
+    from forgetrain.trace import atomic_write_bytes
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    atomic_write_bytes(out_path, buf.getvalue())

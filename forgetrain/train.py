@@ -1,0 +1,290 @@
+"""The training loop around an engine: ``train(cfg) -> out_dir``. Pure function; ``forgetrain.cli`` wraps it.
+
+The harness owns data order, the trace, checkpoints, evaluation, progress and metric sinks; the engine owns the
+optimizer step (see ``forgetrain.engine``). The same loop drives forged scenarios and references, which is what
+makes their traces comparable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from forgetrain import checkpoint, registry
+from forgetrain.config import RunConfig, grad_accum_steps, validate
+from forgetrain.distributed import DistEnv, init_distributed
+from forgetrain.errors import CheckpointError
+from forgetrain.metrics import WandbLogger, flops_per_token, param_counts, peak_flops, write_plots
+from forgetrain.trace import TraceWriter, read_trace, tensor_digest
+
+log = logging.getLogger("forgetrain")
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of everything that changes the numbers (model, train minus logging/io fields, data, parallel)."""
+    import hashlib
+    import json
+
+    t = dataclasses.asdict(cfg.train)
+    for k in ("eval_interval", "log_interval", "save_interval", "resume", "stop_after", "out_dir", "sample_tokens",
+              "sample_prompt", "threads", "eval_iters"):
+        t.pop(k, None)
+    blob = json.dumps({"model": dataclasses.asdict(cfg.model), "train": t, "data": dataclasses.asdict(cfg.data),
+                       "parallel": dataclasses.asdict(cfg.parallel)}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def versions() -> dict:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        from importlib.metadata import version
+
+        v["megatron-core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    if torch.cuda.is_available():
+        v["cuda"] = torch.version.cuda
+        v["gpu"] = torch.cuda.get_device_name()
+    return v
+
+
+class _Probe:
+    """Records each probed module's first-tensor output digest and its output-gradient digest (one step)."""
+
+    def __init__(self, probes: dict[str, torch.nn.Module]):
+        self.records: dict[str, dict] = {}
+        self.handles = []
+        for name, mod in probes.items():
+            self.handles.append(mod.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name):
+        def fwd(_mod, _inp, out):
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            rec = self.records.setdefault(name, {})
+            rec["fwd"] = tensor_digest(t)
+            rec["fwd_l2"] = float(t.detach().float().norm())
+            if t.requires_grad:
+                def on_grad(g, rec=rec):
+                    rec["grad"] = tensor_digest(g)
+                    rec["grad_l2"] = float(g.detach().float().norm())
+                t.register_hook(on_grad)
+        return fwd
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _out_dir(cfg: RunConfig) -> Path:
+    if cfg.train.out_dir:
+        return Path(cfg.train.out_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return Path("runs") / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
+    from forgetrain.data import decode, encode
+
+    ids = encode(tok, cfg.train.sample_prompt) or [0]
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    s = cfg.model.seq_length
+    for _ in range(cfg.train.sample_tokens):
+        ctx = torch.tensor([ids[-s:]], dtype=torch.long, device=device)
+        logits = engine.logits(ctx)[0, -1].float().cpu()
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        ids.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return decode(tok, ids)
+
+
+def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = None,
+          init_hf: dict[str, torch.Tensor] | None = None, progress: bool = True, final_params: bool = True) -> Path:
+    """Train ``cfg.scenario.name`` (or ``kind/engine_name``) and return the output directory.
+
+    Writes ``<out>/trace/{meta.json,trace.jsonl,final.safetensors[,modules.json]}``, checkpoints under
+    ``<out>/checkpoints`` and ``<out>/summary.json``. ``init_hf`` (HF-layout fp32 weights) replaces the engine's
+    own init, e.g. the reference's exported weights. Raises ConfigError / DataError / CheckpointError on bad input.
+    """
+    env: DistEnv = init_distributed(cfg.parallel)
+    validate(cfg, world_size=env.world_size)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
+    out = _out_dir(cfg)
+    trace_dir, ckpt_root = out / "trace", out / "checkpoints"
+
+    from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare
+
+    if env.rank == 0:
+        data = prepare(cfg.data, progress=progress)
+    env.barrier()
+    data = prepare(cfg.data, progress=False) if env.rank != 0 else data
+    if data.vocab_size > cfg.model.vocab_size:
+        from forgetrain.errors import ConfigError
+
+        raise ConfigError(f"tokenizer vocabulary {data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
+    train_w = TokenWindows(data.train_prefix, cfg.model.seq_length, cfg.train.seed)
+    valid_w = TokenWindows(data.valid_prefix, cfg.model.seq_length, cfg.train.seed) if data.valid_prefix else None
+
+    torch.manual_seed(cfg.train.seed)
+    name = engine_name or cfg.scenario.name
+    engine = registry.load_engine_class(kind, name)(cfg, device)
+    if init_hf is not None:
+        engine.load_hf_weights(init_hf)
+
+    t, p = cfg.train, cfg.parallel
+    ga = grad_accum_steps(cfg)
+    dp, dp_rank = p.data_parallel_size, env.rank // p.tensor_parallel_size
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    peak, peak_label = peak_flops(cfg.hardware)
+    fpt = flops_per_token(cfg.model)
+    devices = env.world_size
+
+    start, existing = 0, []
+    if t.resume:
+        last = checkpoint.latest(ckpt_root)
+        if last is None:
+            raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
+        state, harness = checkpoint.load(last, checkpoint.to_cpu_tree(engine.state_dict()))
+        engine.load_state_dict(state)
+        start = int(harness["step"])
+        if harness.get("config_hash") != config_hash(cfg):
+            log.warning("resuming with a config hash %s different from the checkpoint's %s",
+                        config_hash(cfg), harness.get("config_hash"))
+        try:
+            existing = [r for r in read_trace(trace_dir)[1] if r["step"] <= start]
+        except FileNotFoundError:
+            existing = []
+        if env.rank == 0:
+            print(f"resumed from {last} at step {start}", file=sys.stderr)
+
+    meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
+            "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,
+            "world_size": env.world_size, "mfu_formula": "6*(N-N_emb)+12*L*h*s per token; " + peak_label}
+    writer = TraceWriter(trace_dir, meta, existing) if env.rank == 0 else None
+    wandb_logger = None
+    if env.rank == 0 and cfg.logger.name == "wandb":
+        wandb_logger = WandbLogger(cfg.logger, dataclasses.asdict(cfg), str(out))
+
+    if env.rank == 0:
+        n = param_counts(cfg.model)
+        print(f"forgetrain: {kind}/{name} | {n['total'] / 1e6:.2f}M params | DP{dp} TP{p.tensor_parallel_size} | "
+              f"micro-batch {t.micro_batch_size} x grad-accum {ga} x DP {dp} = global batch {t.global_batch_size} | "
+              f"{t.precision} on {device} | out: {out}", file=sys.stderr)
+
+    stop = min(t.steps, t.stop_after) if t.stop_after else t.steps
+    bar = None
+    if env.rank == 0 and progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    probe = _Probe(engine.module_probes()) if (t.digests and start == 0) else None
+    first_loss = existing[0]["loss"] if existing else None
+    val_loss = None
+    for step in range(start, stop):
+        mbs = [micro_batch(train_w, step, m, dp_rank, t.micro_batch_size, dp, t.global_batch_size) for m in range(ga)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = engine.train_step(mbs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0
+        tps = tokens_per_step / step_s
+        rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
+               "tokens": (step + 1) * tokens_per_step, "step_s": step_s, "tokens_per_s": tps,
+               "mfu_pct": 100.0 * fpt * tps / (peak * devices)}
+        if t.digests:
+            dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
+            dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
+            dg["params"] = {k: tensor_digest(v) for k, v in engine.export_hf_weights().items()}
+            rec["digests"] = dg
+        if probe is not None:
+            if writer:
+                writer.write_modules(probe.records)
+            probe.close()
+            probe = None
+        if first_loss is None:
+            first_loss = res.loss
+        if valid_w is not None and t.eval_interval and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
+            val_loss = engine.eval_loss(eval_batches(valid_w, t.eval_iters, t.micro_batch_size))
+            rec["val_loss"] = val_loss
+        if writer:
+            writer.append(rec)
+        if not (res.loss == res.loss):  # NaN
+            if writer:
+                writer.flush()
+            raise FloatingPointError(f"loss is NaN at step {step + 1}")
+        if bar is not None:
+            bar.update(1)
+            if (step + 1) % t.log_interval == 0:
+                post = {"loss": f"{res.loss:.4f}", "gnorm": f"{res.grad_norm:.3f}", "lr": f"{res.lr:.2e}",
+                        "tok/s": f"{tps:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
+                if val_loss is not None:
+                    post["val"] = f"{val_loss:.4f}"
+                bar.set_postfix(post, refresh=False)
+        if wandb_logger:
+            wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
+        save_now = (t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop
+        if save_now:
+            if writer:
+                writer.flush()
+            harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
+                       "side": meta["side"]}
+            checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
+            checkpoint.prune(ckpt_root)
+        elif writer and (step + 1) % 10 == 0:
+            writer.flush()
+    if bar is not None:
+        bar.close()
+    if writer:
+        writer.flush()
+    summary = {}
+    if env.rank == 0 and stop == t.steps:
+        if final_params:
+            writer.write_final_params(engine.export_hf_weights())
+        recs = writer.records
+        summary = {"first_loss": first_loss, "last_loss": recs[-1]["loss"] if recs else None,
+                   "val_loss": val_loss, "steps": t.steps, "ln_vocab": float(torch.log(torch.tensor(
+                       float(data.vocab_size)))), "out_dir": str(out), "peak": peak_label}
+        if recs:
+            steady = recs[min(len(recs) - 1, 2):]
+            summary["median_tokens_per_s"] = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
+            summary["median_mfu_pct"] = sorted(r["mfu_pct"] for r in steady)[len(steady) // 2]
+        if t.sample_tokens and kind == "scenarios":
+            summary["sample"] = _sample_text(engine, load_tokenizer(data.tokenizer_path), cfg, device)
+        from forgetrain.trace import atomic_write_json
+
+        atomic_write_json(out / "summary.json", summary)
+        if cfg.logger.plots and recs:
+            write_plots(recs, str(out / "loss.png"))
+        if progress:
+            _print_summary(summary)
+    if wandb_logger:
+        wandb_logger.finish()
+    env.barrier()
+    return out
+
+
+def _print_summary(s: dict) -> None:
+    lines = ["", "=== summary ===",
+             f"loss: first {s['first_loss']:.4f} -> last {s['last_loss']:.4f}  (ln vocab = {s['ln_vocab']:.3f})"]
+    if s.get("val_loss") is not None:
+        lines.append(f"validation loss: {s['val_loss']:.4f}")
+    if "median_tokens_per_s" in s:
+        lines.append(f"throughput: {s['median_tokens_per_s']:,.0f} tokens/s, MFU {s['median_mfu_pct']:.1f}% "
+                     f"({s['peak']})")
+    if s.get("sample"):
+        lines += ["sample:", "-" * 60, s["sample"], "-" * 60]
+    lines.append(f"outputs: {s['out_dir']}  (trace/, checkpoints/, summary.json, loss.png)")
+    print("\n".join(lines), file=sys.stderr, flush=True)

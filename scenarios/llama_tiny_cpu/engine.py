@@ -1,0 +1,243 @@
+"""The forged training engine of ``llama_tiny_cpu``: one optimizer step, end to end, in plain PyTorch.
+
+Step arithmetic (each line mirrors megatron-core 0.16.1 + torch AdamW, see README.md "Alignment"):
+
+1. for each of the G micro-batches: per-token loss ``[b, s]`` -> mean -> ``/ G`` -> backward; gradients
+   accumulate in fp32 in ``param.grad`` (micro-batch order).
+2. grad norm: per-tensor ``torch.norm`` over the Megatron-shaped grads (fused QKV, fused fc1), 2-D weights first
+   then 1-D norm weights; total = ``norm(tensor(norms))``, squared in fp32, ``.item() ** 0.5``.
+3. clipping: ``coeff = clip_grad / (norm + 1e-6)``; grads ``*= coeff`` only when ``coeff < 1``.
+4. AdamW (torch's single-tensor arithmetic): ``p *= 1 - lr*wd``; ``m.lerp_(g, 1-b1)``;
+   ``v = b2*v + (1-b2)*g*g``; ``denom = sqrt(v)/sqrt(1-b2^t) + eps``; ``p -= lr/(1-b1^t) * m/denom``.
+   Weight decay applies to 2-D weights only (Megatron's scheduler sets wd_mult=0 for 1-D params).
+5. lr: Megatron's OptimizerParamScheduler semantics (``forgetrain.schedule``): step k uses ``lr_at(k-1)``.
+
+bf16 (``train.precision=bf16``) runs the forward/backward under ``torch.autocast(bfloat16)`` with fp32 weights,
+grads and optimizer state; it targets the tolerance tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from forgetrain.engine import StepResult
+from forgetrain.schedule import lr_for_step
+from scenarios.llama_tiny_cpu.model import Llama
+
+
+class Engine:
+    """Forged engine. ``Engine(cfg: RunConfig, device)``; see forgetrain.engine.TrainEngine for the protocol."""
+
+    name = "llama_tiny_cpu"
+
+    def __init__(self, cfg, device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.mcfg, self.tcfg = cfg.model, cfg.train
+        self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic).to(self.device)
+        self.completed_steps = 0
+        self.adam_state: dict[str, dict] = {}
+        self._last_grads: dict[str, torch.Tensor] | None = None
+        self.init_weights()
+
+    # ---------------------------------------------------------------- parameters
+    def _named(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def _norm_order(self) -> list[str]:
+        """Megatron's grad-norm order: 2-D weights in module order (proj before qkv), then 1-D norm weights."""
+        two_d = ["embedding.weight"]
+        one_d = []
+        for i in range(self.mcfg.num_layers):
+            p = f"layers.{i}."
+            two_d += [p + "attn.proj", p + "attn.qkv", p + "mlp.fc1", p + "mlp.fc2"]
+            one_d += [p + "input_norm.weight", p + "pre_mlp_norm.weight"]
+        two_d.append("output_layer.weight")
+        one_d.append("final_norm.weight")
+        return two_d + one_d
+
+    def init_weights(self) -> None:
+        """Deterministic N(0, init_method_std) init from ``train.seed``; resets the optimizer."""
+        g = torch.Generator(device="cpu").manual_seed(self.tcfg.seed)
+        self.model.to("cpu").reset_parameters(g)
+        self.model.to(self.device)
+        # optimizer state exists from the start so checkpoints have a fixed structure
+        self.adam_state = {n: {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                           for n, p in self._named().items()}
+        self.completed_steps = 0
+
+    # ---------------------------------------------------------------- HF layout exchange
+    def _to_hf(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = self.mcfg
+        qpg, d, f = m.num_attention_heads // m.num_query_groups, m.head_dim, m.ffn_hidden_size
+        out = {"model.embed_tokens.weight": t["embedding.weight"]}
+        for i in range(m.num_layers):
+            p, hp = f"layers.{i}.", f"model.layers.{i}."
+            qkv = t[p + "attn.qkv"].view(m.num_query_groups, qpg + 2, d, m.hidden_size)
+            out[hp + "self_attn.q_proj.weight"] = qkv[:, :qpg].reshape(-1, m.hidden_size)
+            out[hp + "self_attn.k_proj.weight"] = qkv[:, qpg].reshape(-1, m.hidden_size)
+            out[hp + "self_attn.v_proj.weight"] = qkv[:, qpg + 1].reshape(-1, m.hidden_size)
+            out[hp + "self_attn.o_proj.weight"] = t[p + "attn.proj"]
+            out[hp + "mlp.gate_proj.weight"] = t[p + "mlp.fc1"][:f]
+            out[hp + "mlp.up_proj.weight"] = t[p + "mlp.fc1"][f:]
+            out[hp + "mlp.down_proj.weight"] = t[p + "mlp.fc2"]
+            out[hp + "input_layernorm.weight"] = t[p + "input_norm.weight"]
+            out[hp + "post_attention_layernorm.weight"] = t[p + "pre_mlp_norm.weight"]
+        out["model.norm.weight"] = t["final_norm.weight"]
+        out["lm_head.weight"] = t["output_layer.weight"]
+        return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
+
+    def _from_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = self.mcfg
+        qpg, d = m.num_attention_heads // m.num_query_groups, m.head_dim
+        out = {"embedding.weight": sd["model.embed_tokens.weight"]}
+        for i in range(m.num_layers):
+            p, hp = f"layers.{i}.", f"model.layers.{i}."
+            q = sd[hp + "self_attn.q_proj.weight"].view(m.num_query_groups, qpg, d, m.hidden_size)
+            k = sd[hp + "self_attn.k_proj.weight"].view(m.num_query_groups, 1, d, m.hidden_size)
+            v = sd[hp + "self_attn.v_proj.weight"].view(m.num_query_groups, 1, d, m.hidden_size)
+            out[p + "attn.qkv"] = torch.cat([q, k, v], dim=1).reshape(-1, m.hidden_size)
+            out[p + "attn.proj"] = sd[hp + "self_attn.o_proj.weight"]
+            out[p + "mlp.fc1"] = torch.cat([sd[hp + "mlp.gate_proj.weight"], sd[hp + "mlp.up_proj.weight"]])
+            out[p + "mlp.fc2"] = sd[hp + "mlp.down_proj.weight"]
+            out[p + "input_norm.weight"] = sd[hp + "input_layernorm.weight"]
+            out[p + "pre_mlp_norm.weight"] = sd[hp + "post_attention_layernorm.weight"]
+        out["final_norm.weight"] = sd["model.norm.weight"]
+        out["output_layer.weight"] = sd["lm_head.weight"]
+        return out
+
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-Llama-layout fp32 weights (e.g. the reference's exported init). Raises KeyError/ValueError."""
+        named = self._named()
+        for k, v in self._from_hf(state).items():
+            if named[k].shape != v.shape:
+                raise ValueError(f"shape mismatch for {k}: {tuple(v.shape)} vs {tuple(named[k].shape)}")
+            with torch.no_grad():
+                named[k].copy_(v)
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        return self._to_hf({k: p for k, p in self._named().items()})
+
+    def export_hf_grads(self) -> dict[str, torch.Tensor]:
+        """Accumulated grads of the last step, pre-clip, HF layout. Raises RuntimeError before any step."""
+        if self._last_grads is None:
+            raise RuntimeError("no step has run yet")
+        return self._to_hf(self._last_grads)
+
+    # ---------------------------------------------------------------- step
+    def _autocast(self):
+        if self.tcfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _check(self, mb: torch.Tensor) -> torch.Tensor:
+        if mb.dim() != 2 or mb.shape[1] != self.mcfg.seq_length + 1:
+            raise ValueError(f"micro-batch must be [b, {self.mcfg.seq_length + 1}], got {tuple(mb.shape)}")
+        return mb.to(self.device, non_blocking=True)
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        """One optimizer step over ``micro_batches`` (each ``[b, s+1]`` int64). Returns StepResult."""
+        self.model.train()
+        named = self._named()
+        for p in named.values():
+            p.grad = None
+        n = len(micro_batches)
+        losses, per_token = [], []
+        for mb in micro_batches:
+            mb = self._check(mb)
+            with self._autocast():
+                tok_loss = self.model(mb[:, :-1], mb[:, 1:])  # [b, s] fp32
+            loss = tok_loss.mean()
+            (loss / n).backward()
+            losses.append(loss.detach())
+            per_token.append(tok_loss.detach())
+        grads = {k: named[k].grad for k in self._norm_order()}
+        self._last_grads = {k: g.clone() for k, g in grads.items()} if self.tcfg.digests else grads
+        # global grad norm, Megatron's arithmetic
+        norms = torch.norm(torch.tensor([torch.norm(g) for g in grads.values()]))
+        total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
+        grad_norm = total_sq.item() ** 0.5
+        if self.tcfg.clip_grad > 0:
+            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for g in grads.values():
+                    g.copy_(g * coeff)
+        lr = lr_for_step(self.tcfg, self.completed_steps)
+        self._adamw(named, lr)
+        self.completed_steps += 1
+        loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
+        return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
+                          per_token_loss=torch.stack(per_token).float())
+
+    @torch.no_grad()
+    def _adamw(self, named: dict[str, torch.nn.Parameter], lr: float) -> None:
+        t = self.tcfg
+        b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
+        for name, p in named.items():
+            g = p.grad
+            st = self.adam_state[name]
+            st["step"] += 1.0
+            wd = t.weight_decay if p.dim() > 1 else 0.0
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            st["exp_avg"].lerp_(g, 1 - b1)
+            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            step = st["step"]
+            bc1 = 1 - b1 ** step
+            bc2 = 1 - b2 ** step
+            denom = (st["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
+            p.addcdiv_(st["exp_avg"], denom, value=-(lr / bc1))
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
+        """Mean per-token loss (nats) over ``micro_batches``, no grad."""
+        self.model.eval()
+        vals = []
+        for mb in micro_batches:
+            mb = self._check(mb)
+            with self._autocast():
+                vals.append(self.model(mb[:, :-1], mb[:, 1:]).mean())
+        return float(torch.stack(vals).mean())
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [b, s]`` -> logits ``[b, s, V]`` fp32."""
+        self.model.eval()
+        freqs_len = tokens.shape[1]
+        with self._autocast():
+            out = self.model(tokens.to(self.device))
+        del freqs_len
+        return out.transpose(0, 1).float()
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """Model + AdamW state + completed steps, plain tensors (torch.distributed.checkpoint-friendly)."""
+        opt = {}
+        for name, st in self.adam_state.items():
+            opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
+                         "exp_avg_sq": st["exp_avg_sq"]}
+        return {"model": self.model.state_dict(), "optimizer": opt,
+                "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.adam_state = {}
+        for name, st in state["optimizer"].items():
+            self.adam_state[name] = {"step": float(st["step"]), "exp_avg": st["exp_avg"].to(self.device),
+                                     "exp_avg_sq": st["exp_avg_sq"].to(self.device)}
+        self.completed_steps = int(state["completed_steps"])
+
+    # ---------------------------------------------------------------- probes
+    def module_probes(self) -> dict[str, torch.nn.Module]:
+        m = self.model
+        probes = {"embedding": m.embedding}
+        for i, blk in enumerate(m.layers):
+            probes[f"layers.{i}.input_norm"] = blk.input_norm
+            probes[f"layers.{i}.self_attention"] = blk.attn
+            probes[f"layers.{i}.pre_mlp_norm"] = blk.pre_mlp_norm
+            probes[f"layers.{i}.mlp"] = blk.mlp
+        probes["final_norm"] = m.final_norm
+        probes["output_layer"] = m.output_layer
+        return probes

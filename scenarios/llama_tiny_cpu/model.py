@@ -1,0 +1,242 @@
+"""A Llama decoder written from scratch for the ``llama_tiny_cpu`` scenario (plain PyTorch, no framework import).
+
+Architecture: token embedding -> N x [RMSNorm -> GQA self-attention with rotate-half RoPE -> residual ->
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> untied LM head. No biases, no dropout.
+
+Every numerical detail that decides bit-equality with megatron-core 0.16.1 (local spec) is deliberate; each is
+marked ``[align N]`` with the item number of ``../shared/notes/megatron-alignment.md`` and listed in this
+scenario's README. In short: activations are sequence-first ``[s, b, h]``; Q/K/V is one matmul whose rows are
+grouped per KV group (q heads, then k, then v); gate/up is one matmul ``[gate; up]``; linears run
+``x @ W^T`` forward and ``dW = dY^T @ X`` backward on the 2-D views; attention is written out (baddbmm with the
+scale as alpha, -10000 mask fill, fp32 softmax, bmm); cross-entropy is Megatron's max-shifted form.
+
+Shapes: s = seq_length, b = micro_batch_size, h = hidden_size, d = head_dim, nq/nkv = query/KV heads,
+f = ffn_hidden_size, V = vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Linear(torch.autograd.Function):
+    """y = x @ W^T with Megatron's backward: dX = dY @ W, dW = dY_2d^T @ X_2d. [align: linear layout]"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        dw = dy2.t().matmul(x2)
+        return dx, dw
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ weight[out, in]^T -> [..., out]``; under autocast both operands take the autocast dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            return _Linear.apply(x.to(dt), weight.to(dt))
+    return _Linear.apply(x, weight)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy on fp32 logits, Megatron's arithmetic. [align 6]
+
+    forward: z = logits - max; loss = log(sum(exp z)) - z[target]; saves softmax = exp z / sum.
+    backward: (softmax - onehot(target)) * dloss.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        z = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        zmax = torch.max(z, dim=-1)[0]
+        z -= zmax.unsqueeze(-1)
+        z2 = z.view(-1, z.size(-1))
+        t1 = target.reshape(-1)
+        rows = torch.arange(z2.size(0), device=z.device)
+        predicted = z2[rows, t1].clone().contiguous().view_as(target)
+        torch.exp(z, out=z)
+        sum_exp = z.sum(dim=-1)
+        loss = torch.log(sum_exp) - predicted
+        z.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(z, t1)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss: torch.Tensor):
+        softmax, t1 = ctx.saved_tensors
+        g2 = softmax.view(-1, softmax.size(-1))
+        rows = torch.arange(g2.size(0), device=g2.device)
+        g2[rows, t1] -= 1.0
+        softmax.mul_(dloss.unsqueeze(-1))
+        return softmax.to(ctx.in_dtype), None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``logits [s, b, V]``, ``target [s, b]`` int64 -> per-token loss ``[s, b]`` fp32 (nats)."""
+    return _CrossEntropy.apply(logits, target)
+
+
+def rope_freqs(seq_length: int, head_dim: int, base: float, device) -> torch.Tensor:
+    """Rotary angles ``[s, 1, 1, d]`` fp32: outer(positions, inv_freq) duplicated along d. [align 4]"""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    pos = torch.arange(seq_length, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``t [s, b, n, d]`` -> same shape; cos/sin in fp32, cast to t's dtype. [align 4]"""
+    cos = torch.cos(freqs).to(t.dtype)
+    sin = torch.sin(freqs).to(t.dtype)
+    t1, t2 = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention, sequence-first. ``x [s, b, h] -> [s, b, h]``."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        # [nkv * (nq/nkv + 2) * d, h]: per KV group, its q heads, then k, then v. [align 2]
+        self.qkv = nn.Parameter(torch.empty(self.nkv * (self.nq // self.nkv + 2) * self.d, cfg.hidden_size))
+        self.proj = nn.Parameter(torch.empty(cfg.hidden_size, self.nq * self.d))
+        self.scale = 1.0 / math.sqrt(self.d)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape
+        qpg = self.nq // self.nkv
+        mixed = linear(x, self.qkv).view(s, b, self.nkv, (qpg + 2) * self.d)
+        q, k, v = torch.split(mixed, [qpg * self.d, self.d, self.d], dim=3)
+        q = q.reshape(s, b, self.nq, self.d)
+        q = apply_rope(q, freqs)  # RoPE before K/V are repeated [align 4]
+        k = apply_rope(k, freqs)
+        if qpg > 1:
+            k = k.repeat_interleave(qpg, dim=2)
+            v = v.repeat_interleave(qpg, dim=2)
+        # scores [b*nq, s, s] = scale * q k^T, the scale as baddbmm's alpha [align 5]
+        qb = q.reshape(s, b * self.nq, self.d).transpose(0, 1)
+        kb = k.reshape(s, b * self.nq, self.d).transpose(0, 1).transpose(1, 2)
+        buf = torch.empty((b * self.nq, s, s), dtype=qb.dtype, device=x.device)
+        scores = torch.baddbmm(buf, qb, kb, beta=0.0, alpha=self.scale).view(b, self.nq, s, s)
+        in_dtype = scores.dtype
+        scores = scores.float()  # softmax in fp32 [align 5]
+        scores = scores.masked_fill(mask, -10000.0)
+        probs = torch.softmax(scores, dim=-1).to(in_dtype)
+        ctx = torch.bmm(probs.view(b * self.nq, s, s), v.reshape(s, b * self.nq, self.d).transpose(0, 1))
+        ctx = ctx.view(b, self.nq, s, self.d).permute(2, 0, 1, 3).contiguous().view(s, b, self.nq * self.d)
+        return linear(ctx, self.proj)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``x [s, b, h] -> down(silu(gate x) * up x) [s, b, h]`` with [gate; up] as one matmul. [align 3]"""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc1 = nn.Parameter(torch.empty(2 * cfg.ffn_hidden_size, cfg.hidden_size))
+        self.fc2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.ffn_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.chunk(linear(x, self.fc1), 2, dim=-1)
+        return linear(F.silu(gate) * up, self.fc2)
+
+
+class RMSNorm(nn.Module):
+    """``F.rms_norm`` over the last dim, weight init 1. [align: GPU note, F.rms_norm matches]"""
+
+    def __init__(self, h: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.attn = Attention(cfg)
+        self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, freqs, mask):
+        x = x + self.attn(self.input_norm(x), freqs, mask)
+        return x + self.mlp(self.pre_mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    """Token ids ``[b, s]`` -> ``[s, b, h]``; the lookup runs on ``[b, s]``. [align 8]"""
+
+    def __init__(self, vocab: int, h: int, index_lookup: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, h))
+        self.index_lookup = index_lookup  # Megatron's deterministic mode uses weight[ids]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.weight[ids] if self.index_lookup else F.embedding(ids, self.weight)
+        return e.transpose(0, 1).contiguous()
+
+
+class OutputLayer(nn.Module):
+    def __init__(self, vocab: int, h: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class Llama(nn.Module):
+    """``forward(ids [b, s], labels [b, s] | None)`` -> per-token loss ``[b, s]`` fp32, or logits ``[s, b, V]``."""
+
+    def __init__(self, cfg, deterministic: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=deterministic)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size)
+        self._freqs: dict = {}
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """N(0, init_method_std) for every matrix, ones for norms (Megatron's init_method_normal)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, self.cfg.init_method_std, generator=generator)
+
+    def _rope_and_mask(self, s: int, device):
+        key = (s, str(device))
+        if key not in self._freqs:
+            freqs = rope_freqs(s, self.cfg.head_dim, self.cfg.rotary_base, device)
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+            self._freqs[key] = (freqs, mask)
+        return self._freqs[key]
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        freqs, mask = self._rope_and_mask(ids.shape[1], ids.device)
+        x = self.embedding(ids)
+        for layer in self.layers:
+            x = layer(x, freqs, mask)
+        logits = self.output_layer(self.final_norm(x))
+        if labels is None:
+            return logits
+        # loss computed on [s, b], returned as [b, s] [align 7]
+        return cross_entropy(logits, labels.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
