@@ -46,6 +46,10 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
     from forgetrain.config import register_configs
 
     register_configs()
+    if config_name in ("verify", "bench"):
+        import importlib
+
+        importlib.import_module(f"forgetrain.{config_name}").register()
     for o in overrides:  # friendlier message for the most common mistake
         if o.startswith("scenario=") and o.split("=", 1)[1] not in registry.scenarios():
             raise ConfigError(f"unknown scenario '{o.split('=', 1)[1]}'; known scenarios: "

@@ -108,12 +108,14 @@ def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
 
 
 def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = None,
-          init_hf: dict[str, torch.Tensor] | None = None, progress: bool = True, final_params: bool = True) -> Path:
+          init_hf: dict[str, torch.Tensor] | None = None, progress: bool = True, final_params: bool = True,
+          engine_cls=None, export_init: bool = False) -> Path:
     """Train ``cfg.scenario.name`` (or ``kind/engine_name``) and return the output directory.
 
     Writes ``<out>/trace/{meta.json,trace.jsonl,final.safetensors[,modules.json]}``, checkpoints under
     ``<out>/checkpoints`` and ``<out>/summary.json``. ``init_hf`` (HF-layout fp32 weights) replaces the engine's
-    own init, e.g. the reference's exported weights. Raises ConfigError / DataError / CheckpointError on bad input.
+    own init, e.g. the reference's exported weights; ``export_init`` writes the weights the run starts from to
+    ``<out>/init.safetensors``. ``engine_cls`` bypasses the registry (tests feed mutant engines). Raises ConfigError / DataError / CheckpointError on bad input.
     """
     env: DistEnv = init_distributed(cfg.parallel)
     validate(cfg, world_size=env.world_size)
@@ -138,9 +140,15 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
 
     torch.manual_seed(cfg.train.seed)
     name = engine_name or cfg.scenario.name
-    engine = registry.load_engine_class(kind, name)(cfg, device)
+    engine = (engine_cls or registry.load_engine_class(kind, name))(cfg, device)
     if init_hf is not None:
         engine.load_hf_weights(init_hf)
+    if export_init and env.rank == 0 and not cfg.train.resume:
+        from safetensors.torch import save
+
+        from forgetrain.trace import atomic_write_bytes
+
+        atomic_write_bytes(out / "init.safetensors", save(engine.export_hf_weights()))
 
     t, p = cfg.train, cfg.parallel
     ga = grad_accum_steps(cfg)

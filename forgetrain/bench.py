@@ -1,0 +1,189 @@
+"""``python -m forgetrain.bench scenario=NAME bench.against=[megatron] [bench.steps=10]``: side-by-side timing.
+
+Every side (the forged engine first, then each reference in ``bench.against``) is built in this one process on
+the same initial weights and fed the same real-token micro-batches. After ``bench.warmup`` untimed steps per side,
+steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (host timer on CPU), and the median
+is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
+speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
+
+MFU uses ``forgetrain.metrics`` (6 * (N - N_emb) + 12 * L * h * s FLOPs per token, PaLM appendix B) against
+``hardware.peak_tflops`` (or a measured matmul peak on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from forgetrain.config import RunConfig, grad_accum_steps, to_run_config
+
+
+@dataclass
+class BenchConfig:
+    against: list = field(default_factory=lambda: ["megatron"])  # references/<name> to time beside the forged one
+    steps: int = 10  # timed steps per side (median)
+    warmup: int = 3  # untimed steps per side
+    out_dir: Optional[str] = None
+
+
+@dataclass
+class BenchRunConfig(RunConfig):
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from forgetrain.config import register_configs
+
+    register_configs()
+    ConfigStore.instance().store(name="bench_schema", node=BenchRunConfig)
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.b.record()
+            self.b.synchronize()
+            self.s = self.a.elapsed_time(self.b) / 1e3
+        else:
+            self.s = time.perf_counter() - self.t0
+
+
+def _batches(cfg: RunConfig, n_steps: int) -> list[list[torch.Tensor]]:
+    from forgetrain.data import TokenWindows, micro_batch, prepare
+
+    data = prepare(cfg.data, progress=False)
+    w = TokenWindows(data.train_prefix, cfg.model.seq_length, cfg.train.seed)
+    t = cfg.train
+    ga = grad_accum_steps(cfg)
+    return [[micro_batch(w, s, m, 0, t.micro_batch_size, 1, t.global_batch_size) for m in range(ga)]
+            for s in range(n_steps)]
+
+
+def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
+    """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init."""
+    from forgetrain import registry
+
+    device = torch.device(cfg.hardware.device)
+    sides = {}
+    init = None
+    for name in against:
+        torch.manual_seed(cfg.train.seed)
+        eng = registry.load_engine_class("references", name)(cfg, device)
+        if init is None:
+            init = eng.export_hf_weights()
+        else:
+            eng.load_hf_weights(init)
+        sides[name] = eng
+    torch.manual_seed(cfg.train.seed)
+    forged = (engine_cls or registry.load_engine_class("scenarios", cfg.scenario.name))(cfg, device)
+    if init is not None:
+        forged.load_hf_weights(init)
+    return {"forged": forged, **sides}
+
+
+def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Interleaved A/B timing: returns side -> list of step seconds (``steps`` each, after ``warmup``)."""
+    device = torch.device(cfg.hardware.device)
+    batches = _batches(cfg, warmup + steps)
+    times = {k: [] for k in sides}
+    mem = {}
+    for i in range(warmup + steps):
+        for name, eng in sides.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            with _Timer(device) as tm:
+                eng.train_step(batches[i])
+            if i >= warmup:
+                times[name].append(tm.s)
+            if device.type == "cuda":
+                mem[name] = max(mem.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+    times["_mem_gib"] = mem  # type: ignore[assignment]
+    return times
+
+
+def interleaved_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
+    """(reference step seconds, forged step seconds), timed interleaved in this process."""
+    sides = build_sides(cfg, [reference], engine_cls)
+    t = time_sides(cfg, sides, steps, warmup)
+    return t[reference], t["forged"]
+
+
+def summarize(cfg: RunConfig, times: dict) -> list[dict]:
+    from forgetrain.metrics import mfu_pct, peak_flops
+
+    peak, label = peak_flops(cfg.hardware)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    mem = times.get("_mem_gib", {})
+    rows = []
+    base = statistics.median(times["forged"])
+    for name, ts in times.items():
+        if name.startswith("_"):
+            continue
+        q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
+        med = statistics.median(ts)
+        rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "tokens_per_s": tokens / med,
+                     "mfu_pct": mfu_pct(cfg.model, tokens / med, peak), "mem_gib": mem.get(name),
+                     "forged_speedup": med / base, "n": len(ts), "peak": label})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'side':<12} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} {'mem_gib':>8} "
+          f"{'forged x':>9}")
+    for r in rows:
+        mem = f"{r['mem_gib']:.1f}" if r["mem_gib"] is not None else "-"
+        print(f"{r['side']:<12} {r['step_s']:>9.4f} {r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} "
+              f"{r['mfu_pct']:>8.2f} {mem:>8} {r['forged_speedup']:>9.2f}")
+    print(f"MFU = 6*(N-N_emb)+12*L*h*s FLOPs/token x tokens/s / peak ({rows[0]['peak']})")
+
+
+def bench_task(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import _out_dir, versions
+
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    b = BenchConfig(**obj.pop("bench"))
+    rc = to_run_config(obj)
+    from forgetrain.config import validate
+
+    validate(rc)
+    sides = build_sides(rc, list(b.against))
+    rows = summarize(rc, time_sides(rc, sides, b.steps, b.warmup))
+    print_table(rows)
+    out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
+    atomic_write_json(out / "bench.json", {"rows": rows, "versions": versions(), "scenario": rc.scenario.name,
+                                           "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
+    print(f"wrote {out / 'bench.json'}", file=sys.stderr)
+
+
+def main() -> None:
+    from forgetrain.cli import run_hydra
+
+    register()
+    run_hydra("bench", bench_task)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""``python -m forgetrain.verify scenario=NAME tier=bitwise|tolerance|loss_curve|surpass [verify.*]``.
+
+Runs the golden reference and the forged engine on the same initial weights (the reference initialises and
+exports them in the HF layout) and the same batches, then judges the candidate's trace against the reference's
+with the requested tier. Prints a verdict table, writes ``verdict.json`` and ``loss_curves.png`` and exits 0 on a
+pass, 1 on a failure (2 on bad input).
+
+* ``verify.golden=true`` compares against the stored golden reference trace (``references/goldens/<platform>/``)
+  instead of re-running the reference; ``verify.regenerate=true`` re-runs the reference and stores it.
+* ``verify.resume_at=K`` stops the forged run at step K, resumes it from its checkpoint and judges the resumed
+  trace (the "resume" gate).
+* ``loss_curve`` runs the reference with every seed in ``verify.seeds`` (>= 3) to calibrate the band;
+  ``surpass`` adds an interleaved A/B timing of the two engines in this process (``forgetrain.bench``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from forgetrain.config import RunConfig, to_run_config
+from forgetrain.errors import ConfigError
+
+GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "references" / "goldens"
+TIERS = ("bitwise", "tolerance", "loss_curve", "surpass")
+
+
+@dataclass
+class VerifyConfig:
+    """Options of ``forgetrain.verify``."""
+
+    reference: str = "megatron"  # a package under references/
+    steps: int = 8  # optimizer steps per run (loss_curve/surpass: see curve_steps)
+    curve_steps: int = 200  # steps per run for loss_curve / surpass
+    digests: bool = True  # per-step param/grad digests and step-1 module probes (bitwise evidence)
+    golden: bool = False  # judge against the stored golden reference trace
+    regenerate: bool = False  # re-run the reference and store it as the golden
+    seeds: list = field(default_factory=lambda: [1234, 1235, 1236])  # loss-curve calibration seeds (>= 3)
+    resume_at: Optional[int] = None  # stop the candidate at this step and resume it
+    timing_steps: int = 10  # surpass: timed steps per engine (interleaved A/B) after warmup
+    out_dir: Optional[str] = None  # defaults to Hydra's run directory
+
+
+@dataclass
+class VerifyRunConfig(RunConfig):
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    tier: Any = None
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from forgetrain.config import register_configs
+
+    register_configs()
+    ConfigStore.instance().store(name="verify_schema", node=VerifyRunConfig)
+
+
+def _run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
+    c = copy.deepcopy(cfg)
+    c.train = dataclasses.replace(c.train, out_dir=str(out), sample_tokens=0, save_interval=0,
+                                  **train_overrides)
+    c.logger = dataclasses.replace(c.logger, name="none", plots=False)
+    return c
+
+
+def golden_dir(cfg: RunConfig, tier_name: str) -> Path:
+    from forgetrain.train import config_hash
+
+    return GOLDEN_ROOT / cfg.hardware.name / f"{cfg.scenario.name}-{tier_name}-{config_hash(cfg)}"
+
+
+def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, seed: int | None = None) -> Path:
+    """Run the reference for ``steps``; returns its output dir (trace/ and init.safetensors inside)."""
+    from forgetrain.train import train
+
+    over = {"steps": steps, "digests": vcfg.digests}
+    if seed is not None:
+        over["seed"] = seed
+    return train(_run_cfg(cfg, out, **over), kind="references", engine_name=vcfg.reference, progress=False,
+                 export_init=True)
+
+
+def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path | None,
+                  engine_cls=None, seed: int | None = None) -> Path:
+    """Run the forged engine from ``init`` (HF safetensors) for ``steps``, optionally stopping and resuming."""
+    from safetensors.torch import load_file
+
+    from forgetrain.train import train
+
+    init_hf = load_file(str(init)) if init is not None else None
+    over = {"steps": steps, "digests": vcfg.digests}
+    if seed is not None:
+        over["seed"] = seed
+    if vcfg.resume_at:
+        if not 0 < vcfg.resume_at < steps:
+            raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, {steps})")
+        train(_run_cfg(cfg, out, stop_after=vcfg.resume_at, **over), init_hf=init_hf, progress=False,
+              engine_cls=engine_cls)
+        return train(_run_cfg(cfg, out, resume=True, **over), progress=False, engine_cls=engine_cls)
+    return train(_run_cfg(cfg, out, **over), init_hf=init_hf, progress=False, engine_cls=engine_cls)
+
+
+def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine_cls=None,
+           tier_cfg: dict | None = None) -> list:
+    """Run the requested tier; returns the list of Verdicts (the last one is the requested tier).
+
+    ``engine_cls`` replaces the scenario's engine (tests feed deliberately wrong engines here).
+    Raises ConfigError for an unknown tier or missing golden.
+    """
+    from forgetrain import equivalence as eq
+
+    if tier_name not in TIERS:
+        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(TIERS)}")
+    tier_cfg = dict(tier_cfg or eq.load_tier(tier_name))
+    out.mkdir(parents=True, exist_ok=True)
+    if tier_name in ("bitwise", "tolerance"):
+        steps = vcfg.steps
+        gdir = golden_dir(cfg, tier_name)
+        if vcfg.golden and not vcfg.regenerate:
+            if not (gdir / "trace" / "trace.jsonl").exists():
+                raise ConfigError(f"no golden at {gdir}; run with verify.regenerate=true first")
+            ref = gdir
+        else:
+            ref = run_reference(cfg, vcfg, out / "reference", steps)
+            if vcfg.regenerate:
+                _store_golden(ref, gdir)
+        cand = run_candidate(cfg, vcfg, out / "candidate", steps, ref / "init.safetensors", engine_cls)
+        fn = eq.bitwise if tier_name == "bitwise" else eq.tolerance
+        verdicts = [fn(ref / "trace", cand / "trace", tier_cfg)]
+        eq.write_report(verdicts, out, [ref / "trace"], cand / "trace")
+        return verdicts
+    # loss_curve / surpass
+    steps = vcfg.curve_steps
+    if len(vcfg.seeds) < 3:
+        raise ConfigError(f"loss_curve needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
+    lc_cfg = dict(eq.load_tier("loss_curve")) if tier_name == "surpass" else tier_cfg
+    vq = dataclasses.replace(vcfg, digests=False)
+    refs = [run_reference(cfg, vq, out / f"reference_seed{s}", steps, seed=s) / "trace" for s in vcfg.seeds]
+    cand = run_candidate(cfg, vq, out / "candidate", steps, None, engine_cls, seed=vcfg.seeds[0]) / "trace"
+    verdicts = [eq.loss_curve(refs, cand, lc_cfg)]
+    if tier_name == "surpass":
+        from forgetrain.bench import interleaved_step_times
+
+        t_ref, t_cand = interleaved_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
+        verdicts.append(eq.surpass(verdicts[0], t_ref, t_cand, tier_cfg))
+    eq.write_report(verdicts, out, refs, cand)
+    return verdicts
+
+
+def _store_golden(ref_out: Path, gdir: Path) -> None:
+    tmp = gdir.with_name(gdir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "trace").mkdir(parents=True)
+    for f in ("meta.json", "trace.jsonl", "modules.json", "final.safetensors"):
+        if (ref_out / "trace" / f).exists():
+            shutil.copy2(ref_out / "trace" / f, tmp / "trace" / f)
+    shutil.copy2(ref_out / "init.safetensors", tmp / "init.safetensors")
+    if gdir.exists():
+        shutil.rmtree(gdir)
+    tmp.rename(gdir)
+
+
+def verify_task(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    from forgetrain import equivalence as eq
+    from forgetrain.train import _out_dir
+
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    vd, td = obj.pop("verify"), obj.pop("tier")
+    rc = to_run_config(obj)
+    vcfg = VerifyConfig(**vd)
+    if not isinstance(td, dict) or "name" not in td:
+        raise ConfigError("choose a tier: tier=bitwise|tolerance|loss_curve|surpass")
+    out = Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc)
+    verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
+    eq.print_verdict_table(verdicts)
+    print(f"report: {out / 'verdict.json'}  plot: {out / 'loss_curves.png'}", file=sys.stderr)
+    sys.exit(0 if all(v.passed for v in verdicts) else 1)
+
+
+def main() -> None:
+    from forgetrain.cli import run_hydra
+
+    register()
+    run_hydra("verify", verify_task)
+
+
+if __name__ == "__main__":
+    main()

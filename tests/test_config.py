@@ -1,0 +1,87 @@
+"""Config composition for every group option, and the up-front validate pass."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from forgetrain.config import RunConfig, register_configs, to_run_config, validate
+from forgetrain.errors import ConfigError
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ["scenario", "model", "train", "data", "parallel", "hardware", "logger"]
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _compose(config_name="config", overrides=()):
+    register_configs()
+    if config_name != "config":
+        import importlib
+
+        importlib.import_module(f"forgetrain.{config_name}").register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_option_composes(group):
+    for opt in _options(group):
+        cfg = _compose(overrides=[f"{group}={opt}"])
+        rc = to_run_config(cfg)
+        assert isinstance(rc, RunConfig)
+
+
+@pytest.mark.parametrize("name", ["verify", "bench"])
+def test_entry_point_configs_compose(name):
+    cfg = _compose(name)
+    assert cfg.scenario.name == "llama_tiny_cpu"
+
+
+@pytest.mark.parametrize("tier", _options("tier"))
+def test_every_tier_composes(tier):
+    cfg = _compose("verify", [f"tier={tier}"])
+    assert cfg.tier.name == tier
+
+
+def test_default_config_is_valid():
+    validate(to_run_config(_compose()))
+
+
+def _bad(**changes):
+    rc = to_run_config(_compose())
+    for path, value in changes.items():
+        group, key = path.split("__")
+        setattr(rc, group, dataclasses.replace(getattr(rc, group), **{key: value}))
+    with pytest.raises(ConfigError) as e:
+        validate(rc)
+    return str(e.value)
+
+
+def test_heads_must_divide_hidden():
+    assert "does not divide model.hidden_size" in _bad(model__num_attention_heads=7)
+
+
+def test_groups_must_divide_heads():
+    assert "num_query_groups" in _bad(model__num_query_groups=3)
+
+
+def test_global_batch_multiple_of_micro_times_dp():
+    assert "global_batch_size" in _bad(train__global_batch_size=12, train__micro_batch_size=8)
+
+
+def test_unknown_scenario_lists_known():
+    msg = _bad(scenario__name="nope")
+    assert "llama_tiny_cpu" in msg and "nope" in msg
+
+
+def test_layout_must_match_world_size():
+    assert "world size" in _bad(parallel__data_parallel_size=2)
+
+
+def test_unknown_key_rejected_by_schema():
+    with pytest.raises(Exception, match="foo"):
+        _compose(overrides=["train.foo=1"])
