@@ -120,6 +120,30 @@ class LoggerConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Per-op kernel switches of the forged engines (``kernels.rmsnorm=triton``). ``torch`` is the plain op.
+
+    Each switch's tier and end-to-end MFU delta are recorded in the scenario's ``optimisations.yaml``.
+    """
+
+    rmsnorm: str = "torch"  # torch | triton (RMSNorm fused with the residual add)
+    swiglu: str = "torch"  # torch | triton
+    rope: str = "torch"  # torch | triton
+    cross_entropy: str = "torch"  # torch (full logits) | chunked (LM head + CE per token chunk) | triton
+    adamw: str = "torch"  # torch (foreach/single-tensor) | fused (torch fused AdamW) | triton
+
+
+@dataclass
+class EngineOptions:
+    """How a forged GPU engine runs. ``exact`` mirrors Megatron op by op (bitwise tier); ``fast`` is the optimised
+    path (SDPA attention, batch-first layout, torch.compile), judged at the loss-curve tier."""
+
+    mode: str = "exact"  # exact | fast
+    compile: bool = False  # torch.compile each transformer block (fast mode)
+    ce_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk (kernels.cross_entropy=chunked|triton)
+
+
+@dataclass
 class ScenarioConfig:
     """Which forged engine to run. The engine is found through ``forgetrain.registry``."""
 
@@ -136,7 +160,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    engine: Any = None  # engine-specific options, free-form (e.g. kernels.* switches)
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
 
 def register_configs() -> None:
@@ -181,7 +206,8 @@ def to_run_config(cfg: Any) -> RunConfig:
         parallel=build(ParallelConfig, obj.get("parallel", {})),
         hardware=build(HardwareConfig, obj.get("hardware", {})),
         logger=build(LoggerConfig, obj.get("logger", {})),
-        engine=obj.get("engine"),
+        engine=build(EngineOptions, obj.get("engine") or {}),
+        kernels=build(KernelsConfig, obj.get("kernels") or {}),
     )
 
 
@@ -252,6 +278,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
 
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
+    k = cfg.kernels
+    for op, allowed in (("rmsnorm", ("torch", "triton")), ("swiglu", ("torch", "triton")),
+                        ("rope", ("torch", "triton")), ("cross_entropy", ("torch", "chunked", "triton")),
+                        ("adamw", ("torch", "fused", "triton"))):
+        if getattr(k, op) not in allowed:
+            raise ConfigError(f"kernels.{op} must be one of {'|'.join(allowed)}, got '{getattr(k, op)}'")
+    if cfg.engine.mode not in ("exact", "fast"):
+        raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
     if cfg.logger.name not in ("none", "wandb"):
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
     return cfg

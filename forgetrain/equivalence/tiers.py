@@ -612,11 +612,15 @@ def loss_curve(ref_dirs: Sequence[str | Path], cand_dir: str | Path, cfg: Mappin
     ``conf/tier/loss_curve.yaml``. Losses are per-step mean token cross-entropies in nats.
 
     Rule (formulas and sources in the yaml): window means of ``window_steps`` steps; per window the reference
-    mean ``m_w`` and sample std ``s_w``; band half-width ``hw_w = max(k s_w, band_floor_rel |m_w|,
-    band_floor_abs)`` with ``k = t_{n-1}(1 - band_alpha/2) sqrt(1 + 1/n)`` (a Student-t prediction interval for
-    one new run); every candidate window mean must lie in ``m_w +- hw_w``. Drift: the mean of ``cand_w - m_w``
-    over the last ``late_fraction`` of the windows must not exceed ``f`` times the mean late half-width, ``f =
-    t_{n-1}(1 - drift_alpha/2) / t_{n-1}(1 - band_alpha/2)`` (both signs when ``drift_two_sided``).
+    mean ``m_w`` and sample std ``s_w`` over the n seeds; band half-width ``hw_w = max(k s_w, band_floor_rel
+    |m_w|, band_floor_abs)`` with ``k = t_{n-1}(1 - band_alpha / (2 W)) sqrt(1 + 1/n)``: a Student-t prediction
+    interval for one new run, Bonferroni-corrected over the W windows so that ``band_alpha`` bounds the
+    false-fail rate of the whole band check. Every candidate window mean must lie in ``m_w +- hw_w``.
+    Drift: ``D`` = candidate's mean over the late windows (last ``late_fraction``) minus the seeds' mean of the
+    same; limit = ``min(max(t_{n-1}(1 - drift_alpha/2) sqrt(1 + 1/n) s_L, floors), drift_max_band_fraction *
+    mean late hw_w)`` with ``s_L`` the std of the seeds' late means (a prediction interval for the late
+    average, valid whatever the correlation between windows; the cap guarantees that a candidate consistently
+    half a band off fails). ``|D| <= limit`` (``D <= limit`` when not ``drift_two_sided``).
 
     Steps compared: those present in every reference run (the shortest reference sets the length). Decision on
     bad input: the verdict FAILS with a clear reason (no exception) for fewer than ``min_seeds`` references,
@@ -681,19 +685,27 @@ def loss_curve(ref_dirs: Sequence[str | Path], cand_dir: str | Path, cfg: Mappin
     Rw = np.stack([R[:, e:e + win].mean(axis=1) for e in edges], axis=1)  # [n, W]
     cw = np.array([c[e:e + win].mean() for e in edges])  # [W]
     mw, sw = Rw.mean(axis=0), Rw.std(axis=0, ddof=1)
-    t_band = t_quantile(1.0 - float(cfg["band_alpha"]) / 2.0, n - 1)
+    floor_rel, floor_abs = float(cfg["band_floor_rel"]), float(cfg["band_floor_abs"])
+    band_alpha = float(cfg["band_alpha"])
+    t_band = t_quantile(1.0 - band_alpha / (2.0 * W), n - 1)  # Bonferroni over the W windows
     k = t_band * math.sqrt(1.0 + 1.0 / n)
-    hw = np.maximum(np.maximum(k * sw, float(cfg["band_floor_rel"]) * np.abs(mw)), float(cfg["band_floor_abs"]))
+    hw = np.maximum(np.maximum(k * sw, floor_rel * np.abs(mw)), floor_abs)
     z = (cw - mw) / hw
     inside = np.abs(z) <= 1.0
 
+    # Drift: a prediction interval for the candidate's late-window average, from the seeds' late averages.
     n_late = max(1, math.ceil(float(cfg["late_fraction"]) * W))
     late = slice(W - n_late, W)
-    drift = float(np.mean(cw[late] - mw[late]))
-    frac = t_quantile(1.0 - float(cfg["drift_alpha"]) / 2.0, n - 1) / t_band
-    limit = frac * float(np.mean(hw[late]))
+    late_ref = Rw[:, late].mean(axis=1)  # [n] each seed's late average
+    drift = float(cw[late].mean() - late_ref.mean())
+    t_drift = t_quantile(1.0 - float(cfg["drift_alpha"]) / 2.0, n - 1)
+    mean_late_hw = float(np.mean(hw[late]))
+    limit_stat = max(t_drift * math.sqrt(1.0 + 1.0 / n) * float(late_ref.std(ddof=1)),
+                     floor_rel * abs(float(late_ref.mean())), floor_abs)
+    limit = min(limit_stat, float(cfg["drift_max_band_fraction"]) * mean_late_hw)
     two_sided = bool(cfg["drift_two_sided"])
     drift_ok = (abs(drift) <= limit) if two_sided else (drift <= limit)
+    frac = limit / mean_late_hw
 
     # Fixed 2.5% rule, for information.
     m_t = R.mean(axis=0)
@@ -711,11 +723,15 @@ def loss_curve(ref_dirs: Sequence[str | Path], cand_dir: str | Path, cfg: Mappin
     rel_hw = hw / np.abs(mw)
     evidence.update({
         "steps_compared": len(steps), "window_steps": win, "n_windows": W, "k": k, "t_band": t_band,
+        "per_window_alpha": band_alpha / W,
         "windows": windows, "n_outside": int((~inside).sum()), "max_abs_z": float(np.abs(z).max()),
         "band_half_width_rel": {"min": float(rel_hw.min()), "max": float(rel_hw.max())},
         "drift": {"late_windows": n_late, "late_steps": [windows[W - n_late]["steps"][0], steps[-1]],
-                  "mean_diff": drift, "limit": limit, "band_fraction": frac, "two_sided": two_sided,
-                  "passed": drift_ok, "in_band_units": drift / float(np.mean(hw[late]))},
+                  "mean_diff": drift, "limit": limit, "limit_statistical": limit_stat,
+                  "ref_late_means": late_ref.tolist(), "band_fraction": frac, "two_sided": two_sided,
+                  "passed": drift_ok, "in_band_units": drift / mean_late_hw,
+                  "note": f"limit = the smallest consistent late shift this test detects with {n} seeds; "
+                          "more seeds shrink it (t quantile and std estimate)"},
         "fixed_rule": {"rule": f"mean |cand - ref_mean| / ref_mean <= {fixed:.1%}", "mean_rel_diff": mrd,
                        "passes": mrd <= fixed, "ref_seeds_mean_rel_diff": seed_mrd},
     })

@@ -203,38 +203,43 @@ class Engine:
     def _named_params(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.gpt.named_parameters())
 
+    def _opt_tensor_names(self) -> dict[int, str]:
+        """id(tensor the torch optimizer steps) -> Megatron param name, for every optimizer flavour."""
+        out: dict[int, str] = {}
+        for n, prm in self.gpt.named_parameters():
+            out[id(prm)] = n  # FP32Optimizer steps the model params themselves
+            if hasattr(prm, "main_param"):  # Float16Optimizer / DistributedOptimizer fp32 main copy of a bf16 param
+                out[id(prm.main_param)] = n
+        for inner in self.optimizer.chained_optimizers:
+            if hasattr(inner, "shard_fp32_groups"):  # DistributedOptimizer: fp32 params are stepped via shard views
+                for mg, sg in zip(inner.model_fp32_groups, inner.shard_fp32_groups):
+                    for mp, sp in zip(mg, sg):
+                        out[id(sp)] = self._names[id(mp)]
+        return out
+
     def _main_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The fp32 tensor the optimizer updates for model param p (p itself in fp32)."""
-        if self.bf16:
-            if self.ddp_config.use_distributed_optimizer:
-                raise NotImplementedError("bf16 main params of the distributed optimizer are not exposed")
-            return p.main_param
-        return p
+        """The fp32 values the optimizer updates for model param p, shaped like p (p itself under fp32)."""
+        if not self.bf16:
+            return p
+        main = p.main_param
+        if main.shape != p.shape:  # DistributedOptimizer: a flat shard of the param
+            if self.dp_size != 1 or main.numel() != p.numel():
+                raise NotImplementedError("bf16 main params of a DP-sharded distributed optimizer are not gathered")
+            main = main.view(p.shape)
+        return main
 
     def _optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
         """(model param name, the tensor the torch optimizer steps) in the optimizer's own order."""
-        main_to_name = {}
-        for n, prm in self.gpt.named_parameters():
-            main_to_name[id(prm)] = n
-            if hasattr(prm, "main_param"):
-                main_to_name[id(prm.main_param)] = n
-        out = []
-        for group in self.optimizer.param_groups:
-            for q in group["params"]:
-                out.append((main_to_name[id(q)], q))
-        return out
+        names = self._opt_tensor_names()
+        return [(names[id(q)], q) for group in self.optimizer.param_groups for q in group["params"]]
 
     def grad_norm_param_order(self) -> list[str]:
         """Megatron parameter names in the order their gradients enter the grad norm (= optimizer order)."""
         return [n for n, _ in self._optimizer_params()]
 
     def param_groups_summary(self) -> list[dict]:
-        """Per optimizer param group: its names, wd_mult and the current weight_decay / lr."""
-        names = {}
-        for n, prm in self.gpt.named_parameters():
-            names[id(prm)] = n
-            if hasattr(prm, "main_param"):
-                names[id(prm.main_param)] = n
+        """Per optimizer param group: its names (in order), wd_mult and the current weight_decay / lr."""
+        names = self._opt_tensor_names()
         return [{"params": [names[id(q)] for q in g["params"]], "wd_mult": g.get("wd_mult", 1.0),
                  "weight_decay": g["weight_decay"], "lr": g["lr"]} for g in self.optimizer.param_groups]
 
@@ -248,7 +253,7 @@ class Engine:
             for n, prm in self._named_params().items():
                 prm.copy_(fresh[n])
                 if self.bf16:
-                    prm.main_param.copy_(prm.float())
+                    self._main_param(prm).copy_(prm.float())
         self._reset_training_state()
 
     def _reset_training_state(self) -> None:
@@ -275,7 +280,7 @@ class Engine:
                     raise ValueError(f"{n}: shape {tuple(src.shape)} != {tuple(prm.shape)}")
                 prm.copy_(src.to(device=prm.device, dtype=prm.dtype))
                 if self.bf16:
-                    prm.main_param.copy_(src.to(device=prm.device, dtype=torch.float32))
+                    self._main_param(prm).copy_(src.to(device=prm.device, dtype=torch.float32))
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """fp32 HF-layout weights on CPU (bf16: the fp32 main params the optimizer updates)."""

@@ -1,0 +1,214 @@
+"""Write a ladder's verdicts to disk (``verdict.json``, ``loss_curves.png``) and print them as a table.
+
+``verdict.json`` is strict JSON: non-finite floats in the evidence become the strings ``"NaN"``,
+``"Infinity"`` and ``"-Infinity"``. It is written atomically (:func:`forgetrain.trace.atomic_write_json`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+import numpy as np
+
+from forgetrain.equivalence.tiers import (EQUIVALENCE_TIERS, LadderResult, Verdict, describe_divergence)
+from forgetrain.trace import atomic_write_bytes, atomic_write_json, read_trace
+
+REPORT_SCHEMA = 1
+
+
+def _jsonable(x: Any) -> Any:
+    """Strict-JSON copy: non-finite floats -> strings, tuples -> lists, paths and other objects -> str."""
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        if math.isnan(x):
+            return "NaN"
+        if math.isinf(x):
+            return "Infinity" if x > 0 else "-Infinity"
+        return x
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return [_jsonable(v) for v in x.tolist()]
+    return str(x)
+
+
+def _as_list(verdicts: Sequence[Verdict] | LadderResult) -> tuple[list[Verdict], str | None, bool | None]:
+    if isinstance(verdicts, LadderResult):
+        return list(verdicts.verdicts), verdicts.strictest_passed, verdicts.surpassed
+    vs = list(verdicts)
+    strictest = next((v.tier for v in vs if v.tier in EQUIVALENCE_TIERS and v.passed), None)
+    sv = next((v for v in vs if v.tier == "surpass"), None)
+    return vs, strictest, None if sv is None else sv.passed
+
+
+def _paths(ref_dirs: Any) -> list[str]:
+    if ref_dirs is None:
+        return []
+    if isinstance(ref_dirs, (str, os.PathLike)):
+        return [str(ref_dirs)]
+    return [str(d) for d in ref_dirs]
+
+
+def _curve(d: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, losses) of a trace directory, non-numeric losses as NaN; None when it cannot be read."""
+    try:
+        _, recs = read_trace(d)
+    except (OSError, ValueError):
+        return None
+    steps = np.array([int(r["step"]) for r in recs], dtype=np.int64)
+    loss = np.array([float(r["loss"]) if isinstance(r.get("loss"), (int, float)) else np.nan for r in recs])
+    order = np.argsort(steps, kind="stable")
+    return steps[order], loss[order]
+
+
+def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | None,
+                     verdicts: Sequence[Verdict] = ()) -> Path:
+    """Write a two-panel PNG: losses (references, candidate, and the loss-curve band if a verdict has one) and
+    the per-step difference candidate - reference mean (log |diff| when it spans > 2 decades or is tiny relative
+    to the loss, else signed; the references' own |seed - mean| in grey for scale). Unreadable traces are
+    skipped and named in the figure. Returns the path. Uses matplotlib's Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    refs = [(d, _curve(d)) for d in _paths(ref_dirs)]
+    cand = _curve(str(cand_dir)) if cand_dir is not None else None
+    unreadable = [d for d, c in refs if c is None] + ([str(cand_dir)] if cand_dir is not None and cand is None else [])
+    refs = [(d, c) for d, c in refs if c is not None]
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    lc = next((v for v in verdicts if v.tier == "loss_curve" and v.evidence.get("windows")), None)
+    if lc is not None:
+        xs, lo, hi = [], [], []
+        for w in lc.evidence["windows"]:
+            xs += w["steps"]
+            lo += [w["lo"], w["lo"]]
+            hi += [w["hi"], w["hi"]]
+        ax1.fill_between(xs, lo, hi, color="0.85", label="reference band (per window)", zorder=0)
+    cmap = plt.get_cmap("Blues")
+    for i, (d, (s, l)) in enumerate(refs):
+        ax1.plot(s, l, lw=0.9, alpha=0.8, color=cmap(0.45 + 0.5 * i / max(1, len(refs) - 1)),
+                 label=f"reference {i}: {Path(d).name}")
+    if cand is not None:
+        ax1.plot(cand[0], cand[1], lw=1.4, color="tab:red", label=f"candidate: {Path(str(cand_dir)).name}")
+    ax1.set_ylabel("loss (nats)")
+    ax1.set_title("loss curves" + (f"  (unreadable: {', '.join(Path(u).name for u in unreadable)})"
+                                   if unreadable else ""))
+    ax1.legend(fontsize=8, loc="upper right")
+    ax1.grid(alpha=0.3)
+
+    if refs and cand is not None:
+        common = sorted(set.intersection(*(set(s.tolist()) for _, (s, _) in refs), set(cand[0].tolist())))
+        if common:
+            def at(curve):
+                idx = {int(s): j for j, s in enumerate(curve[0])}
+                return np.array([curve[1][idx[s]] for s in common])
+
+            R = np.stack([at(c) for _, c in refs])
+            mean = R.mean(axis=0)
+            diff = at(cand) - mean
+            x = np.array(common)
+            label = "cand - reference" if len(refs) == 1 else f"cand - mean of {len(refs)} references"
+            nz = np.abs(diff[np.isfinite(diff) & (diff != 0)])
+            if nz.size == 0:
+                ax2.axhline(0.0, color="tab:red", lw=1)
+                ax2.text(0.5, 0.5, "candidate == reference at every compared step", transform=ax2.transAxes,
+                         ha="center", va="center")
+                ax2.set_ylabel("cand - ref (nats)")
+            else:
+                scale = float(np.nanmean(np.abs(mean))) or 1.0
+                use_log = nz.max() / nz.min() > 100 or nz.max() < 1e-3 * scale
+                if use_log:
+                    ax2.semilogy(x, np.abs(diff), ".", ms=3, color="tab:red", label=f"|{label}|")
+                    if len(refs) > 1:
+                        for i in range(len(refs)):
+                            ax2.semilogy(x, np.abs(R[i] - mean), lw=0.6, color="0.6",
+                                         label="|seed - mean| (reference spread)" if i == 0 else None)
+                    ax2.set_ylabel("|cand - ref| (nats, log)")
+                else:
+                    if len(refs) > 1:
+                        for i in range(len(refs)):
+                            ax2.plot(x, R[i] - mean, lw=0.6, color="0.6",
+                                     label="seed - mean (reference spread)" if i == 0 else None)
+                    ax2.plot(x, diff, lw=1.0, color="tab:red", label=label)
+                    ax2.axhline(0.0, color="k", lw=0.5)
+                    ax2.set_ylabel("cand - ref (nats)")
+                ax2.legend(fontsize=8, loc="upper right")
+    else:
+        ax2.text(0.5, 0.5, "no reference/candidate pair to difference", transform=ax2.transAxes,
+                 ha="center", va="center")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    path = Path(path)
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def write_report(verdicts: Sequence[Verdict] | LadderResult, out_dir: str | Path, ref_dirs: Any,
+                 cand_dir: str | Path | None) -> dict[str, Path]:
+    """Write ``out_dir/verdict.json`` (atomically) and ``out_dir/loss_curves.png``.
+
+    Inputs: the verdicts (a list or a :class:`LadderResult`); the reference trace dir(s) (one path or a list)
+    and the candidate's trace dir, used for the plot and recorded in the JSON. The JSON holds ``schema``,
+    ``ref_dirs``, ``cand_dir``, ``strictest_passed``, ``surpassed``, ``all_passed`` and every verdict's dict.
+    Returns ``{"verdict": path, "plot": path}``. Raises OSError when ``out_dir`` cannot be written.
+    """
+    vs, strictest, surpassed = _as_list(verdicts)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": REPORT_SCHEMA, "ref_dirs": _paths(ref_dirs),
+           "cand_dir": None if cand_dir is None else str(cand_dir),
+           "strictest_passed": strictest, "surpassed": surpassed, "all_passed": all(v.passed for v in vs),
+           "verdicts": [v.to_dict() for v in vs]}
+    vpath = out / "verdict.json"
+    atomic_write_json(vpath, _jsonable(doc))
+    ppath = plot_loss_curves(out / "loss_curves.png", ref_dirs, cand_dir, vs)
+    return {"verdict": vpath, "plot": ppath}
+
+
+def _clip(s: str, width: int) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def format_verdict_table(verdicts: Sequence[Verdict] | LadderResult, summary_width: int = 72,
+                         divergence_width: int = 56) -> str:
+    """The plain-text table of :func:`print_verdict_table`, as a string."""
+    vs, strictest, surpassed = _as_list(verdicts)
+    rows = [("tier", "result", "summary", "first divergence")]
+    rows += [(v.tier, "pass" if v.passed else "FAIL", _clip(v.summary, summary_width),
+              _clip(describe_divergence(v.first_divergence), divergence_width)) for v in vs]
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    lines.append(f"strictest equivalence tier passed: {strictest or 'none'}"
+                 + ("" if surpassed is None else f"; surpass: {'pass' if surpassed else 'FAIL'}"))
+    return "\n".join(lines)
+
+
+def print_verdict_table(verdicts: Sequence[Verdict] | LadderResult, file: TextIO | None = None) -> str:
+    """Print ``tier | pass/FAIL | summary | first divergence`` (one row per verdict, long cells clipped with
+    ``...``) and a footer naming the strictest equivalence tier passed. Returns the printed text."""
+    text = format_verdict_table(verdicts)
+    print(text, file=file or sys.stdout, flush=True)
+    return text

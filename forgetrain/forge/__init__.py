@@ -1,0 +1,101 @@
+"""The forge loop (DESIGN.md, "The forge loop"): brief -> agent -> guard -> ladder -> record -> learn -> seal.
+
+``python -m forgetrain.forge scenario=NAME agent.command="..." forge.max_rounds=N forge.target_tier=bitwise``
+drives any coding-agent CLI (a command that takes a prompt and edits files) inside a harness-owned git
+*workspace* seeded from ``scenarios/NAME/``. See docs/forge.md for the workflow and real agent command lines.
+
+Pieces (each its own module): :mod:`.workspace` (seeding, git snapshots, the write guard, loading the candidate
+engine), :mod:`.brief` (the per-round brief), :mod:`.knowledge` (the cross-run knowledge base),
+:mod:`._ladder` (the gates, run in a subprocess), :mod:`.loop` (the rounds, state, log, seal),
+:mod:`.install` (copy a sealed engine into ``scenarios/``).
+
+This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point. It
+imports neither torch nor megatron: the loop process stays light, the candidate runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from forgetrain.config import RunConfig
+
+MODES = ("full", "goal_only")
+
+
+@dataclass
+class AgentConfig:
+    """The coding agent: any CLI that takes a prompt and edits files in its working directory."""
+
+    # Shell command run in the workspace each round. ``{brief}`` -> path of BRIEF.md, ``{workspace}`` -> the
+    # workspace dir, ``{round}`` -> the round number. The brief is also on stdin and in $FORGE_BRIEF.
+    command: Optional[str] = None
+    timeout_s: float = 1800.0  # wall-clock limit per round; the agent's process group is killed past it
+
+
+@dataclass
+class ForgeOptions:
+    """Options of the forge loop (``forge.*``)."""
+
+    max_rounds: int = 5  # agent rounds (the baseline ladder run is round 0 and does not count)
+    target_tier: str = "bitwise"  # bitwise | tolerance | loss_curve | surpass: stop and seal once reached
+    target_mfu_pct: Optional[float] = None  # also require this candidate MFU (%) before sealing; None: tier only
+    ladder_from: str = "bitwise"  # strictest tier the ladder tries first (skip tiers known to be out of reach)
+    mode: str = "full"  # full (evidence, lessons, workflow in the brief) | goal_only (goal + gate command only)
+    resume: bool = False  # continue an existing run after its last completed round
+    overwrite: bool = False  # start over, deleting an existing run in out_dir
+    baseline: bool = True  # run the ladder on the seeded engine before round 1 (round 0)
+    seed_from: Optional[str] = None  # a sealed engine dir (with seal.json) to start from instead of the template
+    kb_path: Optional[str] = None  # knowledge base JSONL; default $FORGETRAIN_CACHE or ~/.cache/forgetrain
+    verify_steps: int = 3  # optimizer steps per bitwise/tolerance gate run
+    curve_steps: int = 200  # steps per run for loss_curve / surpass gates
+    timing_steps: int = 10  # surpass: timed steps per engine
+    reference: str = "megatron"  # the golden reference package under references/
+    ladder_timeout_s: float = 900.0  # wall-clock limit of one ladder run (a hung candidate is killed)
+    out_dir: Optional[str] = None  # default outputs/forge/<scenario>/<mode>
+    install: Optional[str] = None  # after sealing, install the sealed engine into this dir (e.g. scenarios/X)
+
+
+@dataclass
+class ForgeRunConfig(RunConfig):
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    forge: ForgeOptions = field(default_factory=ForgeOptions)
+
+
+def register() -> None:
+    """Register ``forge_schema`` (and every group schema) with Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    from forgetrain.config import register_configs
+
+    register_configs()
+    ConfigStore.instance().store(name="forge_schema", node=ForgeRunConfig)
+
+
+def forge_task(cfg) -> None:
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from forgetrain.config import to_run_config
+    from forgetrain.forge.loop import forge
+
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    agent, opts = AgentConfig(**obj.pop("agent")), ForgeOptions(**obj.pop("forge"))
+    state = forge(to_run_config(obj), opts, agent)
+    sys.exit(0 if state.get("status") == "sealed" else 1)
+
+
+def main() -> None:
+    from forgetrain.cli import run_hydra
+
+    register()
+    run_hydra("forge", forge_task)
+
+
+def __getattr__(name):  # lazy: ``from forgetrain.forge import forge`` without importing the loop up front
+    if name == "forge":
+        from forgetrain.forge.loop import forge
+
+        return forge
+    raise AttributeError(name)

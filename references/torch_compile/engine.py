@@ -1,0 +1,176 @@
+"""A plain-PyTorch Llama under ``torch.compile``: the strongest-peer stand-in for benchmarks.
+
+What a competent PyTorch user writes without a framework: HF-layout ``nn.Linear`` modules (separate q/k/v/o and
+gate/up/down), batch-first activations, ``F.scaled_dot_product_attention`` (causal, GQA), ``F.rms_norm``,
+fp32 weights under ``torch.autocast(bfloat16)``, ``F.cross_entropy`` on full logits, ``torch.optim.AdamW``
+(fused on CUDA), and ``torch.compile`` of the whole model. It is a baseline for ``forgetrain.bench``
+(``bench.against=[torch_compile]``), not a golden reference: it is never used for bitwise or tolerance gates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forgetrain.engine import StepResult
+from forgetrain.schedule import lr_for_step
+
+
+class _Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d = c.hidden_size // c.num_attention_heads
+        self.nq, self.nkv, self.d, self.eps = c.num_attention_heads, c.num_query_groups, d, c.norm_epsilon
+        self.input_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(c.hidden_size))
+        self.q_proj = nn.Linear(c.hidden_size, self.nq * d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.nkv * d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.nkv * d, bias=False)
+        self.o_proj = nn.Linear(self.nq * d, c.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        h = F.rms_norm(x, (x.shape[-1],), self.input_layernorm, self.eps)
+        q = self.q_proj(h).view(b, s, self.nq, self.d).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.nkv, self.d).transpose(1, 2)
+
+        def rope(t):
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+        o = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=self.nq != self.nkv)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+        h = F.rms_norm(x, (x.shape[-1],), self.post_attention_layernorm, self.eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class _Llama(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        d = c.hidden_size // c.num_attention_heads
+        inv = 1.0 / (c.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        f = torch.outer(torch.arange(c.seq_length, dtype=torch.float32), inv)
+        emb = torch.cat((f, f), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, ids, labels=None):
+        s = ids.shape[1]
+        x = self.embed_tokens(ids)
+        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        for blk in self.layers:
+            x = blk(x, cos, sin)
+        logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.c.norm_epsilon))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+
+
+class Engine:
+    """Benchmark baseline implementing forgetrain.engine.TrainEngine (no module probes, no digests)."""
+
+    def __init__(self, cfg, device):
+        self.cfg, self.device, self.t = cfg, torch.device(device), cfg.train
+        with torch.device(self.device):
+            self.model = _Llama(cfg.model)
+        g = torch.Generator(device=self.device).manual_seed(self.t.seed)
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, cfg.model.init_method_std, generator=g)
+        decay = [p for p in self.model.parameters() if p.dim() > 1]
+        no_decay = [p for p in self.model.parameters() if p.dim() == 1]
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.t.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=self.t.lr,
+                                     betas=(self.t.adam_beta1, self.t.adam_beta2), eps=self.t.adam_eps,
+                                     fused=fused)
+        self.fwd = torch.compile(self.model) if self.device.type == "cuda" else self.model
+        self.steps = 0
+
+    def _ac(self):
+        if self.t.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _hf_map(self):
+        m = {"model.embed_tokens.weight": self.model.embed_tokens.weight, "model.norm.weight": self.model.norm,
+             "lm_head.weight": self.model.lm_head.weight}
+        for i, b in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            m[p + "input_layernorm.weight"] = b.input_layernorm
+            m[p + "post_attention_layernorm.weight"] = b.post_attention_layernorm
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                m[p + f"self_attn.{n}.weight"] = getattr(b, n).weight
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                m[p + f"mlp.{n}.weight"] = getattr(b, n).weight
+        return m
+
+    def init_weights(self):
+        pass
+
+    def load_hf_weights(self, state):
+        with torch.no_grad():
+            for k, p in self._hf_map().items():
+                p.copy_(state[k])
+
+    def export_hf_weights(self):
+        return {k: v.detach().float().cpu() for k, v in self._hf_map().items()}
+
+    def export_hf_grads(self):
+        return {k: v.grad.detach().float().cpu() for k, v in self._hf_map().items()}
+
+    def train_step(self, micro_batches):
+        n = len(micro_batches)
+        self.opt.zero_grad(set_to_none=True)
+        losses = []
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with self._ac():
+                tok = self.fwd(mb[:, :-1], mb[:, 1:])
+            loss = tok.mean()
+            (loss / n).backward()
+            losses.append(loss.detach())
+        gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.t.clip_grad or float("inf")))
+        lr = lr_for_step(self.t, self.steps)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.steps += 1
+        return StepResult(loss=float(torch.stack(losses).mean()), grad_norm=gn, lr=lr)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches):
+        vals = []
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            with self._ac():
+                vals.append(self.fwd(mb[:, :-1], mb[:, 1:]).mean())
+        return float(torch.stack(vals).mean())
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+
+    def module_probes(self):
+        return {}
+
+    @torch.no_grad()
+    def logits(self, tokens):
+        with self._ac():
+            return self.model(tokens.to(self.device)).float()

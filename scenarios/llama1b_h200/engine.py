@@ -1,0 +1,217 @@
+"""Forged engine for Llama on Hopper (``llama1b_h200``; ``llama8b_h100`` subclasses it).
+
+Precision (``train.precision=bf16``): bf16 model weights, fp32 main weights, fp32 gradient accumulation buffers
+(``main_grad``), fp32 AdamW state -- Megatron's mixed-precision recipe. ``fp32`` keeps everything in fp32.
+
+Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier is listed in ``optimisations.yaml``):
+
+* ``exact`` -- the op-by-op Megatron mirror (the model of ``scenarios/llama_tiny_cpu``, whose alignment notes
+  apply), torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and
+  clipping arithmetic. Target: **bitwise** vs the Megatron-core reference in deterministic mode.
+* ``fast`` -- ``fast.FastLlama``: batch-first, SDPA attention, chunked LM-head cross-entropy, optional
+  ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
+  Target: **loss-curve**, then **surpass**.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forgetrain.engine import StepResult
+from forgetrain.schedule import lr_for_step
+from scenarios.llama_tiny_cpu.engine import Engine as _ExactCPUEngine
+from scenarios.llama_tiny_cpu.model import Llama
+
+
+class Engine(_ExactCPUEngine):
+    """``Engine(cfg: RunConfig, device)``; protocol in forgetrain.engine.TrainEngine."""
+
+    name = "llama1b_h200"
+
+    def __init__(self, cfg, device: torch.device | str = "cuda"):
+        self.cfg, self.device = cfg, torch.device(device)
+        self.mcfg, self.tcfg = cfg.model, cfg.train
+        self.opts, self.kernels = cfg.engine, cfg.kernels
+        self.bf16 = self.tcfg.precision == "bf16"
+        self.fast = self.opts.mode == "fast"
+        with torch.device(self.device):
+            if self.fast:
+                from scenarios.llama1b_h200.fast import FastLlama
+
+                self.model = FastLlama(self.mcfg, self.kernels, self.opts)
+            else:
+                self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic)
+        self._last_grads = None
+        self.init_weights()
+
+    # ------------------------------------------------------------------ weights
+    def init_weights(self) -> None:
+        """N(0, init_method_std) from ``train.seed`` on the device's generator; fp32 main weights, zero state."""
+        g = torch.Generator(device=self.device).manual_seed(self.tcfg.seed)
+        self.model.float()
+        self.model.reset_parameters(g)
+        self._make_main()
+
+    def _make_main(self) -> None:
+        named = self._named()
+        if self.bf16:
+            self.main = {k: p.detach().float().clone() for k, p in named.items()}
+            self.model.to(torch.bfloat16)
+        else:
+            self.main = {k: p.data for k, p in named.items()}
+        self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
+        self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
+                           for k, v in self.main.items()}
+        self.completed_steps = 0
+
+    def _sync_model_from_main(self) -> None:
+        if self.bf16:
+            named = self._named()
+            torch._foreach_copy_([named[k].data for k in self.main], list(self.main.values()))
+
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF-layout fp32 weights into the fp32 main weights (and the bf16 copies). Raises ValueError."""
+        for k, v in self._from_hf(state).items():
+            if self.main[k].shape != v.shape:
+                raise ValueError(f"shape mismatch for {k}: {tuple(v.shape)} vs {tuple(self.main[k].shape)}")
+            self.main[k].copy_(v.to(self.device))
+        self._sync_model_from_main()
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        return self._to_hf(self.main)
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        self.model.train()
+        named = self._named()
+        keys = list(self.main)
+        torch._foreach_zero_(list(self.main_grad.values()))
+        n = len(micro_batches)
+        losses, per_token = [], []
+        for mb in micro_batches:
+            mb = self._check(mb)
+            if self.fast:
+                loss, tok = self.model(mb[:, :-1], mb[:, 1:])
+            else:
+                tok = self.model(mb[:, :-1], mb[:, 1:])
+                loss = tok.mean()
+            (loss / n).backward()
+            # Megatron's DDP hook: main_grad += grad (fp32 += bf16/fp32), then drop the model grad
+            torch._foreach_add_([self.main_grad[k] for k in keys], [named[k].grad for k in keys])
+            for k in keys:
+                named[k].grad = None
+            losses.append(loss.detach())
+            per_token.append(tok.detach())
+        order = self._norm_order()
+        grads = [self.main_grad[k] for k in order]
+        if self.tcfg.digests:
+            self._last_grads = {k: self.main_grad[k].clone() for k in order}
+        if self.fast:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        else:  # Megatron: norm of per-tensor norms (host), squared on device, .item() ** 0.5
+            l2 = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads], dtype=torch.float32))
+            total_sq = torch.tensor([float(l2)], dtype=torch.float32, device=self.device) ** 2.0
+            grad_norm = total_sq.item() ** 0.5
+        if self.tcfg.clip_grad > 0:
+            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                if self.fast:
+                    torch._foreach_mul_(grads, coeff)
+                else:
+                    for g in grads:
+                        g.copy_(g * coeff)
+        lr = lr_for_step(self.tcfg, self.completed_steps)
+        self._adamw_step(lr)
+        self._sync_model_from_main()
+        self.completed_steps += 1
+        loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
+        return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
+                          per_token_loss=torch.stack(per_token).float())
+
+    @torch.no_grad()
+    def _adamw_step(self, lr: float) -> None:
+        t = self.tcfg
+        b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
+        for k in self.adam_state:
+            self.adam_state[k]["step"] += 1.0
+        step = next(iter(self.adam_state.values()))["step"]
+        for decay in (True, False):  # Megatron's two param groups: 2-D weights (wd) and 1-D norms (no wd)
+            ks = [k for k in self.main if (self.main[k].dim() > 1) == decay]
+            if not ks:
+                continue
+            p = [self.main[k] for k in ks]
+            g = [self.main_grad[k] for k in ks]
+            m = [self.adam_state[k]["exp_avg"] for k in ks]
+            v = [self.adam_state[k]["exp_avg_sq"] for k in ks]
+            wd = t.weight_decay if decay else 0.0
+            if self.kernels.adamw == "fused" and self.device.type == "cuda":
+                steps = [torch.tensor(step, device=self.device) for _ in ks]
+                torch._fused_adamw_(p, g, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                                    amsgrad=False, maximize=False)
+                continue
+            if self.kernels.adamw == "triton":
+                from forgetrain.kernels import adamw_step
+
+                adamw_step(p, g, m, v, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, wd=wd)
+                continue
+            if self.device.type != "cuda":  # torch's single-tensor path (its CPU default)
+                for pi, gi, mi, vi in zip(p, g, m, v):
+                    if wd != 0:
+                        pi.mul_(1 - lr * wd)
+                    mi.lerp_(gi, 1 - b1)
+                    vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
+                    denom = (vi.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps)
+                    pi.addcdiv_(mi, denom, value=-(lr / (1 - b1 ** step)))
+                continue
+            # torch's foreach path (its CUDA default), same op sequence
+            if wd != 0:
+                torch._foreach_mul_(p, 1 - lr * wd)
+            torch._foreach_lerp_(m, g, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, g, g, 1 - b2)
+            bc1 = [1 - b1 ** step for _ in ks]
+            bc2 = [1 - b2 ** step for _ in ks]
+            step_size = [(lr / bc) * -1 for bc in bc1]
+            bc2_sqrt = [bc ** 0.5 for bc in bc2]
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(p, m, denom, step_size)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
+        self.model.eval()
+        vals = []
+        for mb in micro_batches:
+            mb = self._check(mb)
+            out = self.model(mb[:, :-1], mb[:, 1:])
+            vals.append(out[0] if self.fast else out.mean())
+        return float(torch.stack(vals).mean())
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        tokens = tokens.to(self.device)
+        if self.fast:
+            return self.model.logits(tokens)
+        return self.model(tokens).transpose(0, 1).float()
+
+    # ------------------------------------------------------------------ checkpoint / probes
+    def state_dict(self) -> dict:
+        opt = {k: {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
+                   "exp_avg_sq": st["exp_avg_sq"]} for k, st in self.adam_state.items()}
+        return {"main": dict(self.main), "optimizer": opt,
+                "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state["main"].items():
+            self.main[k].copy_(v)
+        for k, st in state["optimizer"].items():
+            self.adam_state[k]["step"] = float(st["step"])
+            self.adam_state[k]["exp_avg"].copy_(st["exp_avg"])
+            self.adam_state[k]["exp_avg_sq"].copy_(st["exp_avg_sq"])
+        self.completed_steps = int(state["completed_steps"])
+        self._sync_model_from_main()
+
+    def module_probes(self) -> dict[str, torch.nn.Module]:
+        return {} if self.fast else super().module_probes()

@@ -1,0 +1,163 @@
+"""The fast path of the Hopper Llama engines: batch-first, SDPA attention, chunked LM head + cross-entropy.
+
+Parameters have exactly the shapes of the exact model (``scenarios/llama_tiny_cpu/model.py``): fused grouped QKV
+``[nkv*(nq/nkv+2)*d, h]``, fused ``[gate; up]``, so weight exchange and the grad-norm order are shared. Each
+departure from the exact path changes reduction order, so this model targets the loss-curve tier:
+
+* ``[b, s, h]`` activations (weight-gradient sums run in a different token order);
+* ``F.scaled_dot_product_attention`` (cuDNN / flash backends, causal, GQA without repeating K/V);
+* ``F.linear`` everywhere (cuBLAS picks its own algorithm per shape);
+* cross-entropy fused with the LM head and chunked over tokens (``kernels.cross_entropy=chunked|triton``):
+  the ``[tokens, vocab]`` logits never exist whole, and the backward of each chunk is computed in the forward.
+
+Shapes: b micro-batch, s sequence, h hidden, d head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rope_cos_sin(s: int, d: int, base: float, device, dtype):
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    f = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv)
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos().to(dtype)[None, :, None, :], emb.sin().to(dtype)[None, :, None, :]
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``t [b, s, n, d]``."""
+    t1, t2 = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+
+class FastBlock(nn.Module):
+    """One transformer block, ``x [b, s, h] -> [b, s, h]``; parameter names match the exact model's Block."""
+
+    def __init__(self, cfg, kernels):
+        super().__init__()
+        from scenarios.llama_tiny_cpu.model import RMSNorm
+
+        self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Parameter(torch.empty(self.nkv * (self.nq // self.nkv + 2) * self.d, cfg.hidden_size))
+        self.attn.proj = nn.Parameter(torch.empty(cfg.hidden_size, self.nq * self.d))
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Parameter(torch.empty(2 * cfg.ffn_hidden_size, cfg.hidden_size))
+        self.mlp.fc2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.ffn_hidden_size))
+        self.kernels = kernels
+        self.eps = cfg.norm_epsilon
+
+    def _norm(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qpg = self.nq // self.nkv
+        mixed = F.linear(self._norm(x, self.input_norm.weight), self.attn.qkv).view(b, s, self.nkv, qpg + 2, self.d)
+        q = mixed[:, :, :, :qpg].reshape(b, s, self.nq, self.d)
+        k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=qpg > 1)
+        x = x + F.linear(o.transpose(1, 2).reshape(b, s, self.nq * self.d), self.attn.proj)
+        gate, up = F.linear(self._norm(x, self.pre_mlp_norm.weight), self.mlp.fc1).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.mlp.fc2)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Mean cross-entropy of ``h [N, h] @ W[V, h]^T`` against ``labels [N]``, chunked over tokens.
+
+    The forward computes each chunk's fp32 logits, its loss and (softmax - onehot) / N, and immediately the
+    chunk's ``dh`` and its contribution to ``dW`` (fp32 accumulate), so only one chunk of logits is alive.
+    Returns (mean loss, per-token loss [N] fp32 detached). Formula: Megatron's max-shifted CE.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, labels, chunk: int):
+        n = h.shape[0]
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        for i in range(0, n, chunk):
+            hc, lc = h[i:i + chunk], labels[i:i + chunk]
+            logits = (hc @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            losses[i:i + chunk] = lse - logits.gather(1, lc[:, None]).squeeze(1)
+            g = torch.softmax(logits, dim=-1)
+            g[torch.arange(g.shape[0], device=g.device), lc] -= 1.0
+            g = (g / n).to(h.dtype)
+            dh[i:i + chunk] = g @ w
+            dw.add_(g.t() @ hc)  # bf16 chunk product, fp32 accumulation across chunks
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = w.dtype
+        return losses.mean(), losses
+
+    @staticmethod
+    def backward(ctx, dloss, _dlosses):
+        dh, dw = ctx.saved_tensors
+        return dh * dloss.to(dh.dtype), (dw * dloss).to(ctx.w_dtype), None, None
+
+
+class FastLlama(nn.Module):
+    """``forward(ids [b, s], labels [b, s])`` -> (mean loss, per-token loss [b, s]); ``logits(ids)`` -> [b, s, V]."""
+
+    def __init__(self, cfg, kernels, engine_opts):
+        super().__init__()
+        from scenarios.llama_tiny_cpu.model import Embedding, OutputLayer, RMSNorm
+
+        self.cfg, self.kernels, self.opts = cfg, kernels, engine_opts
+        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=False)
+        self.layers = nn.ModuleList(FastBlock(cfg, kernels) for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size)
+        self._rope: dict = {}
+        self._blocks = list(self.layers)
+        if engine_opts.compile:
+            self._blocks = [torch.compile(b) for b in self.layers]
+
+    def reset_parameters(self, generator):
+        with torch.no_grad():
+            for _, p in self.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, self.cfg.init_method_std, generator=generator)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[1]
+        key = (s, ids.device, self.embedding.weight.dtype)
+        if key not in self._rope:
+            self._rope[key] = _rope_cos_sin(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device,
+                                            self.embedding.weight.dtype)
+        cos, sin = self._rope[key]
+        x = F.embedding(ids, self.embedding.weight)
+        for blk in self._blocks:
+            x = blk(x, cos, sin)
+        return F.rms_norm(x, (x.shape[-1],), self.final_norm.weight, self.cfg.norm_epsilon)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        h = self.hidden(ids)
+        b, s, hd = h.shape
+        mode = self.kernels.cross_entropy
+        if mode == "triton":
+            from forgetrain.kernels import fused_linear_cross_entropy
+
+            tok = fused_linear_cross_entropy(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
+                                             self.opts.ce_chunk_tokens)
+            return tok.mean(), tok.detach().view(b, s)
+        if mode == "chunked":
+            loss, tok = _ChunkedLinearCE.apply(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
+                                               self.opts.ce_chunk_tokens)
+            return loss, tok.view(b, s)
+        logits = F.linear(h, self.output_layer.weight).float()
+        tok = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        return tok.mean(), tok.detach().view(b, s)
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.hidden(ids), self.output_layer.weight).float()

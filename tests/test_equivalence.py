@@ -1,0 +1,518 @@
+"""Equivalence tiers on synthetic trace directories: each tier passes what it should and FAILS what it must."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from forgetrain.engine import forward_names, hf_param_names
+from forgetrain.equivalence import (TIER_ORDER, Verdict, bitwise, ladder, load_tier, loss_curve,
+                                    print_verdict_table, surpass, t_quantile, tolerance, write_report)
+from forgetrain.errors import ConfigError
+from forgetrain.trace import TraceWriter, tensor_digest
+
+NUM_LAYERS = 2
+PARAMS = hf_param_names(NUM_LAYERS)
+MODULES = list(forward_names(NUM_LAYERS))
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+
+
+def _tensor(seed: int, shape=(4, 4)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g)
+
+
+def base_run(n_steps: int = 6, digests: bool = True) -> dict:
+    """A synthetic run: records (with digests), step-1 module probes and final params."""
+    records = []
+    for s in range(1, n_steps + 1):
+        rec = {"step": s, "loss": 5.0 / (1 + 0.1 * s) + 1e-3 * math.sin(s), "grad_norm": 1.0 / s + 0.25,
+               "lr": 3e-3 * s / 10, "tokens": 2048 * s, "step_s": 0.1}
+        if digests:
+            rec["digests"] = {
+                "per_token_loss": tensor_digest(_tensor(1000 + s, (2, 8))),
+                "grads": {n: tensor_digest(_tensor(10_000 * s + i)) for i, n in enumerate(PARAMS)},
+                "params": {n: tensor_digest(_tensor(20_000 * s + i)) for i, n in enumerate(PARAMS)},
+            }
+        records.append(rec)
+    modules = {m: {"fwd": tensor_digest(_tensor(30_000 + i)), "fwd_l2": 10.0 + i,
+                   "grad": tensor_digest(_tensor(40_000 + i)), "grad_l2": 0.1 * (i + 1)}
+               for i, m in enumerate(MODULES)}
+    final = {n: _tensor(50_000 + i, (4,) if "norm" in n else (4, 4)) * 0.02 + (1.0 if "norm" in n else 0.0)
+             for i, n in enumerate(PARAMS)}
+    return {"records": records, "modules": modules, "final": final, "precision": "fp32"}
+
+
+def write_run(d, run: dict):
+    w = TraceWriter(d, {"side": "test", "scenario": "synthetic", "config_hash": "x",
+                        "precision": run["precision"], "steps": len(run["records"])})
+    for r in run["records"]:
+        w.append(r)
+    w.flush()
+    if run.get("modules") is not None:
+        w.write_modules(run["modules"])
+    if run.get("final") is not None:
+        w.write_final_params(run["final"])
+    return d
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(ref_dir, make_cand): make_cand(mutator) writes a mutated copy of the reference run as the candidate."""
+    run = base_run()
+    ref = write_run(tmp_path / "ref", run)
+
+    def make_cand(mutate=None, name="cand", base=None):
+        c = copy.deepcopy(base or run)
+        if mutate is not None:
+            mutate(c)
+        return write_run(tmp_path / name, c)
+
+    return ref, make_cand
+
+
+def _bad(seed=7):
+    return tensor_digest(_tensor(999_999 + seed))
+
+
+# ---------------------------------------------------------------------------------------------------- bitwise
+
+
+def test_bitwise_identical_passes(pair):
+    ref, make = pair
+    v = bitwise(ref, make())
+    assert v.passed and v.first_divergence is None
+    assert v.evidence["digests"]["compared"] and v.evidence["digests"]["steps_compared"] == 6
+    assert v.evidence["modules"]["compared"] and v.evidence["final_params"]["compared"]
+    json.dumps(v.to_dict())  # evidence is JSON-serialisable
+
+
+def test_bitwise_one_ulp_loss_fails_at_that_step(pair):
+    ref, make = pair
+
+    def m(run):
+        r = run["records"][3]
+        r["loss"] = math.nextafter(r["loss"], math.inf)
+
+    v = bitwise(ref, make(m))
+    assert not v.passed
+    fd = v.first_divergence
+    assert fd["step"] == 4 and fd["kind"] == "loss" and fd["cand"] - fd["ref"] > 0
+    assert "step 4 loss" in v.summary
+
+
+@pytest.mark.parametrize("key", ["grad_norm", "lr"])
+def test_bitwise_scalar_fields(pair, key):
+    ref, make = pair
+
+    def m(run):
+        run["records"][1][key] = math.nextafter(run["records"][1][key], 0.0)
+
+    v = bitwise(ref, make(m))
+    assert not v.passed and v.first_divergence["step"] == 2 and v.first_divergence["kind"] == key
+
+
+def test_bitwise_nan_never_passes(pair):
+    ref, make = pair
+    run = base_run()
+    run["records"][2]["loss"] = float("nan")
+    ref_nan = write_run(ref.parent / "ref_nan", run)
+    cand_nan = make(lambda r: r["records"][2].__setitem__("loss", float("nan")))
+    v = bitwise(ref_nan, cand_nan)
+    assert not v.passed and v.first_divergence["step"] == 3 and v.first_divergence["kind"] == "loss"
+
+
+def test_bitwise_grad_digest_names_first_tensor_in_forward_order(pair):
+    ref, make = pair
+    late, early = "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+
+    def m(run):
+        dg = run["records"][2]["digests"]
+        dg["grads"][late] = _bad(1)
+        dg["grads"][early] = _bad(2)
+        dg["params"]["model.embed_tokens.weight"] = _bad(3)  # the update that follows differs too
+        run["records"][4]["digests"]["per_token_loss"] = _bad(4)  # and later steps
+
+    v = bitwise(ref, make(m))
+    assert not v.passed
+    fd = v.first_divergence
+    assert (fd["step"], fd["kind"], fd["tensor"]) == (3, "grad", early)
+    assert fd["ref"] != fd["cand"]
+    assert v.evidence["mismatch_counts"] == {"grad": 2, "param": 1, "per_token_loss": 1}
+
+
+def test_bitwise_per_token_loss_digest_precedes_grads(pair):
+    ref, make = pair
+
+    def m(run):
+        run["records"][0]["digests"]["per_token_loss"] = _bad(5)
+        run["records"][0]["digests"]["grads"]["model.embed_tokens.weight"] = _bad(6)
+
+    fd = bitwise(ref, make(m)).first_divergence
+    assert (fd["step"], fd["kind"]) == (1, "per_token_loss")
+
+
+def test_bitwise_missing_tensor_digest_is_a_mismatch(pair):
+    ref, make = pair
+    v = bitwise(ref, make(lambda r: r["records"][1]["digests"]["params"].pop("lm_head.weight")))
+    fd = v.first_divergence
+    assert not v.passed and fd["tensor"] == "lm_head.weight" and fd["cand"] is None
+
+
+def test_bitwise_module_fwd_names_first_module(pair):
+    ref, make = pair
+    first = MODULES.index("layers.0.mlp")
+
+    def m(run):  # a forward divergence at layers.0.mlp propagates to every later module
+        for i, name in enumerate(MODULES):
+            if i >= first:
+                run["modules"][name]["fwd"] = _bad(100 + i)
+                run["modules"][name]["fwd_l2"] += 1e-3
+
+    v = bitwise(ref, make(m))
+    assert not v.passed
+    fd = v.first_divergence
+    assert (fd["kind"], fd["module"], fd["step"]) == ("module_fwd", "layers.0.mlp", 1)
+    assert fd["ref"]["l2"] == 10.0 + first and fd["cand"]["l2"] == pytest.approx(10.0 + first + 1e-3)
+    assert v.evidence["modules"]["fwd_mismatches"] == MODULES[first:]
+
+
+def test_bitwise_module_grad_reports_both_orders(pair):
+    ref, make = pair
+    origin = MODULES.index("layers.1.self_attention")
+
+    def m(run):  # a backward-only bug at layers.1.self_attention reaches every earlier module's grad
+        for i, name in enumerate(MODULES):
+            if i <= origin:
+                run["modules"][name]["grad"] = _bad(200 + i)
+
+    v = bitwise(ref, make(m))
+    ev = v.evidence["modules"]
+    assert not v.passed and v.first_divergence["kind"] == "module_grad"
+    assert v.first_divergence["module"] == "embedding"  # first in forward order, as documented
+    assert ev["first_grad_mismatch_backward_order"] == "layers.1.self_attention"
+    assert ev["fwd_mismatches"] == []
+
+
+def test_bitwise_final_params_one_ulp(pair):
+    ref, make = pair
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def m(run):
+        t = run["final"][name].clone()
+        t[2] = torch.nextafter(t[2], torch.tensor(2.0))
+        run["final"][name] = t
+
+    v = bitwise(ref, make(m))
+    fd = v.first_divergence
+    assert not v.passed and fd["tensor"] == name and fd["kind"] == "param" and fd["step"] == 6
+    assert 0 < fd["max_abs_diff"] < 1e-6
+    assert v.evidence["final_params"]["max_abs_diff"] == fd["max_abs_diff"]
+
+
+def test_bitwise_step_count_differs(pair):
+    ref, make = pair
+    v = bitwise(ref, make(lambda r: r["records"].pop()))
+    assert not v.passed and v.first_divergence["step"] == 6 and v.first_divergence["cand"] is None
+
+
+def test_bitwise_digests_required_or_reported(tmp_path):
+    ref = write_run(tmp_path / "ref", base_run(digests=False))
+    cand = write_run(tmp_path / "cand", base_run(digests=False))
+    v = bitwise(ref, cand)  # bitwise.yaml requires digests
+    assert not v.passed and "digests required" in v.summary and "train.digests=true" in v.summary
+    v = bitwise(ref, cand, {"require_digests": False})
+    assert v.passed and not v.evidence["digests"]["compared"] and "digests NOT compared" in v.summary
+
+
+def test_bitwise_accepts_hydra_node_and_checks_name(pair):
+    ref, make = pair
+    node = OmegaConf.create(load_tier("bitwise"))
+    assert bitwise(ref, make(), node.copy()).passed
+    with pytest.raises(ConfigError):
+        bitwise(ref, make(), OmegaConf.create(load_tier("tolerance")))
+    with pytest.raises(ConfigError):
+        load_tier("no_such_tier")
+
+
+# ---------------------------------------------------------------------------------------------------- tolerance
+
+
+def _perturb(rel: float, steps=None, params=False):
+    def m(run):
+        for r in run["records"]:
+            if steps is None or r["step"] in steps:
+                r["loss"] *= 1 + rel
+                r["grad_norm"] *= 1 - rel
+            r.pop("digests", None)
+        if params:
+            run["final"] = {k: (v.double() * (1 + rel)).float() for k, v in run["final"].items()}
+    return m
+
+
+def test_tolerance_fp32_accepts_1e8_rejects_1e3(pair):
+    ref, make = pair
+    v = tolerance(ref, make(_perturb(1e-8, params=True), "small"))
+    assert v.passed, v.summary
+    assert v.evidence["metrics"]["loss"]["max_rel"] == pytest.approx(1e-8, rel=1e-3)
+    assert tolerance(ref, make()).evidence["metrics"]["loss"]["max_rel"] == 0.0
+
+    v = tolerance(ref, make(_perturb(1e-3, steps={3}), "big"))
+    assert not v.passed
+    fd = v.first_divergence
+    assert (fd["step"], fd["kind"]) == (3, "loss") and fd["rel_err"] > fd["threshold"]
+    assert v.evidence["metrics"]["grad_norm"]["worst_step"] == 3
+
+    v = tolerance(ref, make(_perturb(1e-3, steps=set(), params=True), "params"))
+    assert not v.passed and v.first_divergence["kind"] == "param"
+    assert v.first_divergence["tensor"] == PARAMS[0]  # first tensor in forward order
+    assert v.evidence["final_params"]["total_rel_l2"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_tolerance_bf16_is_looser(tmp_path):
+    th = load_tier("tolerance")["thresholds"]
+    for k in th["fp32"]:
+        if k != "lr_rtol":
+            assert th["bf16"][k] > 100 * th["fp32"][k]
+    run = base_run()
+    run["precision"] = "bf16"
+    ref = write_run(tmp_path / "ref", run)
+    cand = copy.deepcopy(run)
+    _perturb(1e-3, params=True)(cand)
+    v = tolerance(ref, write_run(tmp_path / "ok", cand))
+    assert v.passed and v.evidence["precision"] == "bf16"
+    cand = copy.deepcopy(run)
+    _perturb(5e-2, steps={2})(cand)
+    v = tolerance(ref, write_run(tmp_path / "bad", cand))
+    assert not v.passed and v.first_divergence["step"] == 2
+
+
+def test_tolerance_rejects_lr_tokens_nan_and_precision_mismatch(pair):
+    ref, make = pair
+
+    def lr(run):
+        run["records"][0]["lr"] *= 1 + 1e-6
+
+    assert tolerance(ref, make(lr, "lr")).first_divergence["kind"] == "lr"
+    assert tolerance(ref, make(lambda r: r["records"][1].__setitem__("tokens", 1), "tok")).first_divergence[
+        "kind"] == "tokens"
+    v = tolerance(ref, make(lambda r: r["records"][4].__setitem__("grad_norm", float("nan")), "nan"))
+    assert not v.passed and v.first_divergence["step"] == 5 and math.isinf(v.first_divergence["rel_err"])
+    v = tolerance(ref, make(lambda r: r.__setitem__("precision", "bf16"), "bf16"))
+    assert not v.passed and "precisions differ" in v.summary
+
+
+def test_tolerance_requires_final_params(pair):
+    ref, make = pair
+    v = tolerance(ref, make(lambda r: r.__setitem__("final", None), "nofinal"))
+    assert not v.passed and "final params required" in v.summary
+    assert tolerance(ref, make(lambda r: r.__setitem__("final", None), "nofinal2"),
+                     {"require_final_params": False}).passed
+
+
+def test_tolerance_max_steps_skips_final_params(pair):
+    ref, make = pair
+    v = tolerance(ref, make(_perturb(1e-3, steps={6}, params=True), "late"), {"max_steps": 5})
+    assert v.passed and not v.evidence["final_params"]["compared"]
+    assert "max_steps" in v.evidence["final_params"]["reason"]
+
+
+# ---------------------------------------------------------------------------------------------------- loss curve
+
+T = 200
+
+
+def _curve(seed: int, shift=0.0, diverge_at=None) -> np.ndarray:
+    """Synthetic loss: a decaying mean, a per-seed smooth offset, and per-step batch noise (sigma 0.05)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, T + 1)
+    base = 2.0 + 3.0 * np.exp(-t / 40.0)
+    offset = rng.normal(0, 0.01) * (1 + t / T)
+    y = base + offset + rng.normal(0, 0.05, T) + shift
+    if diverge_at is not None:
+        y = y + np.where(t > diverge_at, 0.01 * (t - diverge_at), 0.0)
+    return y
+
+
+def _write_curve(d, y):
+    w = TraceWriter(d, {"precision": "fp32", "steps": len(y)})
+    for i, v in enumerate(y):
+        w.append({"step": i + 1, "loss": float(v), "grad_norm": 1.0, "lr": 1e-3, "tokens": 100 * (i + 1)})
+    w.flush()
+    return d
+
+
+@pytest.fixture
+def seeds(tmp_path):
+    """Four reference seeds (>= 3 required). Seeds 0-2 alone happen to agree unusually closely late in the run,
+    which makes a 3-seed drift limit tight (a 2-dof std is that variable); the 3-seed case is checked below."""
+    return [_write_curve(tmp_path / f"ref{s}", _curve(s)) for s in range(4)]
+
+
+def test_loss_curve_accepts_same_distribution(seeds, tmp_path):
+    for s in range(10, 20):
+        v = loss_curve(seeds, _write_curve(tmp_path / f"cand{s}", _curve(s)))
+        assert v.passed, v.summary
+    ev = v.evidence
+    assert ev["n_windows"] == 10 and len(ev["windows"]) == 10
+    assert ev["k"] == pytest.approx(t_quantile(1 - 0.01 / 20, 3) * math.sqrt(1 + 1 / 4))
+    assert all(w["lo"] < w["cand"] < w["hi"] for w in ev["windows"])
+    assert ev["fixed_rule"]["passes"] and "2.5%" in ev["fixed_rule"]["note"]
+    assert 0 < ev["drift"]["limit"] <= 0.5 * np.mean([w["half_width"] for w in ev["windows"][-3:]])
+    json.dumps(v.to_dict())
+
+
+def test_loss_curve_rejects_consistent_drift_inside_band(seeds, tmp_path):
+    ok = loss_curve(seeds, _write_curve(tmp_path / "ok", _curve(10)))
+    late = ok.evidence["windows"][-3:]  # late_fraction 0.25 of 10 windows
+    limit, d_ok = ok.evidence["drift"]["limit"], ok.evidence["drift"]["mean_diff"]
+    room = min(w["half_width"] * (1 - abs(w["z"])) for w in late)  # shift that keeps every window in band
+    assert limit + abs(d_ok) < room
+    delta = 0.5 * (limit + abs(d_ok) + room)
+    t = np.arange(1, T + 1)
+    for sign in (+1, -1):  # consistently worse, and (two-sided by default) consistently better
+        y = _curve(10) + sign * delta * (t > 140)
+        v = loss_curve(seeds, _write_curve(tmp_path / f"shift{sign}", y))
+        assert not v.passed, v.summary
+        assert v.evidence["n_outside"] == 0 and not v.evidence["drift"]["passed"]
+        fd = v.first_divergence
+        assert fd["window"] == "late" and fd["step"] == 141 and sign * fd["drift"] > limit
+        assert "late drift" in v.summary
+    assert loss_curve(seeds, tmp_path / "shift-1", {"drift_two_sided": False}).passed
+
+
+def test_loss_curve_rejects_divergence(seeds, tmp_path):
+    v = loss_curve(seeds, _write_curve(tmp_path / "div", _curve(10, diverge_at=100)))
+    assert not v.passed and v.evidence["n_outside"] > 0
+    fd = v.first_divergence
+    assert fd["kind"] == "loss" and 100 <= fd["step"] <= 181 and fd["cand"] > fd["ref"]["hi"]
+
+
+def test_loss_curve_rejects_bad_inputs(seeds, tmp_path):
+    cand = _write_curve(tmp_path / "cand", _curve(10))
+    v = loss_curve(seeds[:2], cand)
+    assert not v.passed and ">= 3" in v.summary
+    assert loss_curve(seeds[:3], _write_curve(tmp_path / "cand11", _curve(11))).passed
+    same = [_write_curve(tmp_path / f"same{i}", _curve(0)) for i in range(3)]
+    assert "identical" in loss_curve(same, cand).summary
+    short = loss_curve(seeds, _write_curve(tmp_path / "short", _curve(10)[:150]))
+    assert not short.passed and short.first_divergence["step"] == 151
+    y = _curve(10)
+    y[40] = float("inf")
+    v = loss_curve(seeds, _write_curve(tmp_path / "inf", y))
+    assert not v.passed and v.first_divergence["step"] == 41
+    with pytest.raises(TypeError):
+        loss_curve(seeds[0], cand)
+
+
+def test_t_quantile_matches_tables():
+    assert t_quantile(0.975, 2) == pytest.approx(4.3027, abs=1e-4)
+    assert t_quantile(0.995, 4) == pytest.approx(4.6041, abs=1e-4)
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062, abs=1e-4)
+    assert t_quantile(0.975, 30) == pytest.approx(2.0423, abs=1e-4)
+    with pytest.raises(ValueError):
+        t_quantile(0.3, 2)
+
+
+# ---------------------------------------------------------------------------------------------------- surpass
+
+
+def _timings(seed, median, n=20, rel_sd=0.05):
+    return list(median * (1 + np.random.default_rng(seed).normal(0, rel_sd, n)))
+
+
+PASS = Verdict("loss_curve", True, "ok")
+FAIL = Verdict("loss_curve", False, "drift")
+
+
+def test_surpass_accepts_clear_speedup():
+    v = surpass(PASS, _timings(0, 1.0), _timings(1, 0.7))
+    assert v.passed, v.summary
+    ev = v.evidence
+    assert ev["speedup"] == pytest.approx(1 / 0.7, rel=0.05) and ev["n_ref"] == ev["n_cand"] == 20
+    assert ev["speedup"] > ev["required_speedup"] == 1 + ev["noise"]
+
+
+def test_surpass_rejects_failed_equivalence():
+    v = surpass(FAIL, _timings(0, 1.0), _timings(1, 0.5))
+    assert not v.passed and v.evidence["faster_beyond_noise"] and "failed" in v.summary
+
+
+def test_surpass_rejects_speedup_within_noise():
+    v = surpass(PASS, _timings(0, 1.0), _timings(1, 0.99))
+    assert not v.passed and "not faster beyond noise" in v.summary
+    assert v.evidence["noise"] > abs(v.evidence["speedup"] - 1)
+    assert not surpass(PASS, _timings(0, 1.0), _timings(1, 1.3)).passed  # slower
+
+
+def test_surpass_input_checks():
+    assert "too few" in surpass(PASS, [1.0] * 5, [0.5] * 5).summary
+    with pytest.raises(ValueError):
+        surpass(Verdict("surpass", True, ""), [1.0] * 20, [0.5] * 20)
+    with pytest.raises(ValueError):
+        surpass(PASS, [1.0] * 19 + [-1.0], [0.5] * 20)
+
+
+# ---------------------------------------------------------------------------------------------------- ladder, report
+
+
+def test_ladder_reports_strictest_tier(pair, seeds, tmp_path):
+    ref, make = pair
+    res = ladder(["tolerance", "bitwise"], ref_dir=ref, cand_dir=make())
+    assert [v.tier for v in res.verdicts] == ["bitwise", "tolerance"] and res.strictest_passed == "bitwise"
+    res = ladder(["bitwise", "tolerance"], ref_dir=ref, cand_dir=make(_perturb(1e-8), "small"))
+    assert res.strictest_passed == "tolerance" and not res.verdict("bitwise").passed
+
+    curve = _write_curve(tmp_path / "curve", _curve(10))
+    res = ladder(TIER_ORDER, ref_dir=ref, cand_dir=make(_perturb(1e-3), "big"), ref_dirs=seeds,
+                 curve_cand_dir=curve, timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7))
+    assert res.strictest_passed == "loss_curve" and res.surpassed is True
+    res = ladder(["loss_curve", "surpass"], ref_dirs=seeds, curve_cand_dir=curve)
+    assert res.strictest_passed == "loss_curve" and res.surpassed is False
+    assert "missing input" in res.verdict("surpass").summary
+    with pytest.raises(ValueError):
+        ladder(["surpass"])
+    with pytest.raises(ValueError):
+        ladder(["nope"])
+
+
+def test_write_report_and_table(pair, seeds, tmp_path):
+    ref, make = pair
+    curve = _write_curve(tmp_path / "curve", _curve(10, diverge_at=120))
+    res = ladder(TIER_ORDER, ref_dir=ref, cand_dir=make(_perturb(1e-3, steps={2}), "bad"), ref_dirs=seeds,
+                 curve_cand_dir=curve, timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7))
+    out = tmp_path / "report"
+    paths = write_report(res, out, seeds, curve)
+    doc = json.loads(paths["verdict"].read_text(),
+                     parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert [v["tier"] for v in doc["verdicts"]] == list(TIER_ORDER)
+    assert doc["strictest_passed"] is None and doc["all_passed"] is False
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A single reference with NaN in the evidence still gives strict JSON and a plot.
+    v = bitwise(ref, make(lambda r: r["records"][2].__setitem__("loss", float("nan")), "nan"))
+    paths = write_report([v], tmp_path / "report2", ref, tmp_path / "nan")
+    assert "NaN" in paths["verdict"].read_text() and paths["plot"].exists()
+
+    buf = io.StringIO()
+    text = print_verdict_table(res, file=buf)
+    assert buf.getvalue().strip() == text
+    lines = text.splitlines()
+    assert lines[0].split()[:2] == ["tier", "result"] and len(lines) == 2 + 4 + 1
+    assert "FAIL" in lines[2] and "step 2 loss" in lines[2] and "step 2 loss" in lines[3]
+    assert lines[-1].startswith("strictest equivalence tier passed: none")
+
+
+def test_every_tier_yaml_is_versioned():
+    for name in TIER_ORDER:
+        cfg = load_tier(name)
+        assert cfg["name"] == name and cfg["version"] >= 1
