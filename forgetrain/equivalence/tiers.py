@@ -194,7 +194,10 @@ def describe_divergence(d: dict | None) -> str:
     if isinstance(ref, dict) and "mean" in ref:
         ref = ref["mean"]
     if _isnum(ref) or _isnum(cand) or ref is None or cand is None:
-        out += f" (ref {_fmt(ref)}, cand {_fmt(cand)})"
+        r, c = _fmt(ref), _fmt(cand)
+        if r == c and ref != cand:  # e.g. 1 ulp apart: show every digit
+            r, c = repr(ref), repr(cand)
+        out += f" (ref {r}, cand {c})"
     elif isinstance(ref, str) and isinstance(cand, str):
         out += f" (digest {ref[:8]} != {cand[:8]})"
     return out

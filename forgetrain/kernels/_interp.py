@@ -6,6 +6,7 @@ Why: Triton 3.x's interpreter (``TRITON_INTERPRET=1``) stores bf16 as raw ``uint
   ``fp_downcast_rounding="rtne"`` it rounds half-up and drops the mantissa carry for odd exponents.
   The GPU (``cvt.rn.bf16.f32``) rounds to nearest, ties to even. Truncation biases every bf16 output by
   half an ulp, so a correct kernel would fail validation against ``torch`` (which rounds to nearest);
+* cannot use a runtime scalar as a loop bound under numpy 2 (``int()`` of a 1-element array);
 * does bf16 arithmetic (``a + b`` with bf16 operands, ``tl.dot`` on bf16) on the integer bit patterns,
   which yields garbage. The GPU computes these in hardware bf16 (round to nearest even).
 
@@ -97,6 +98,15 @@ def apply() -> None:
             b = TH(bf16_bits_to_f32(b.data), tl.float32)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
+    orig_patch_tensor = I._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        # numpy >= 2.? refuses int() of a 1-element 1-D array; the interpreter keeps scalars as such arrays, so
+        # `range(runtime_scalar)` inside a kernel failed.
+        orig_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    I._patch_lang_tensor = _patch_lang_tensor
     I._convert_float = _convert_float
     I.InterpreterBuilder.binary_op = binary_op
     I.InterpreterBuilder.unary_op = unary_op

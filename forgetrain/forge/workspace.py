@@ -1,0 +1,294 @@
+"""The forge workspace: a git repo the harness owns, seeded from a scenario template; the agent edits ``engine/``.
+
+Layout::
+
+    workspace/
+      BRIEF.md              this round's brief (harness-written; read-only for the agent)
+      engine/               the candidate engine: a copy of scenarios/<NAME>/ (the only path the agent may change)
+      gates/                read-only copies: conf/tier/*.yaml, forgetrain/equivalence/*.py, ladder_spec.json
+      references/<ref>/     read-only copy of the reference engine's source, to read (never to import)
+      forge_state.json      the loop's state (git-ignored; written atomically by the harness)
+
+Imports of ``scenarios.<NAME>.x`` in the template are rewritten to relative imports (``from .x import ...``) so
+the workspace engine is self-contained; the ladder loads ``engine/`` as a package under a private name
+(:func:`load_engine_class`). Relative imports keep working once the engine is installed back into scenarios/.
+
+Git is used for snapshots: every round's end state is a commit under ``refs/forge/rounds/<k>`` (not on the
+branch); rounds that pass a tier are also committed onto the branch. :func:`changed_paths` and :func:`revert_to`
+implement the write guard.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+from forgetrain.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENGINE_DIR = "engine"
+EDITABLE_PREFIX = ENGINE_DIR + "/"
+GITIGNORE = "__pycache__/\n*.pyc\n/forge_state.json\n"
+_GIT = ["git", "-c", "user.name=forgetrain-forge", "-c", "user.email=forge@localhost", "-c", "commit.gpgsign=false",
+        "-c", "core.autocrlf=false", "-c", "init.defaultBranch=main"]
+_SKIP = ("__pycache__", ".pytest_cache")
+
+
+def git(ws: Path, *args: str, check: bool = True) -> str:
+    """Run git in ``ws``; returns stdout. Raises RuntimeError (with git's stderr) on failure when ``check``."""
+    r = subprocess.run([*_GIT, *args], cwd=ws, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed in {ws}: {r.stderr.strip()}")
+    return r.stdout.strip()
+
+
+# ---------------------------------------------------------------------------------------------------- seeding
+
+def rewrite_scenario_imports(src: str, scenario: str) -> str:
+    """``from scenarios.<scenario>.m import X`` -> ``from .m import X``; ``import scenarios.<scenario>.m as y`` ->
+    ``from . import m as y``. Line-based rewrite of the exact statements the AST finds (formatting kept)."""
+    prefix = f"scenarios.{scenario}"
+    lines = src.splitlines(keepends=True)
+    edits: dict[int, tuple[int, int, str]] = {}
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                (node.module == prefix or node.module.startswith(prefix + ".")):
+            rest = node.module[len(prefix):].lstrip(".")
+            seg = ast.get_source_segment(src, node)
+            new = seg.replace(f"from {node.module}", f"from .{rest}" if rest else "from .", 1)
+            edits[node.lineno] = (node.lineno, node.end_lineno, new)
+        elif isinstance(node, ast.Import) and any(a.name.startswith(prefix + ".") for a in node.names):
+            if len(node.names) != 1 or not node.names[0].asname:
+                raise ConfigError(f"cannot rewrite '{ast.get_source_segment(src, node)}' to a relative import; "
+                                  f"use 'from {prefix}.x import y' in the scenario template")
+            a = node.names[0]
+            mod, _, last = a.name[len(prefix) + 1:].rpartition(".")
+            new = f"from .{mod} import {last} as {a.asname}"
+            edits[node.lineno] = (node.lineno, node.end_lineno, new)
+    for lineno in sorted(edits, reverse=True):
+        start, end, new = edits[lineno]
+        first = lines[start - 1]
+        indent = first[:len(first) - len(first.lstrip())]
+        lines[start - 1:end] = [indent + new + "\n"]
+    return "".join(lines)
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*_SKIP, "*.pyc"), dirs_exist_ok=True)
+
+
+def gate_sources(reference: str) -> dict[str, list[Path]]:
+    """Read-only material copied into the workspace: workspace subdir -> source files."""
+    eq = REPO_ROOT / "forgetrain" / "equivalence"
+    ref = REPO_ROOT / "references" / reference
+    return {"gates/tier": sorted((REPO_ROOT / "conf" / "tier").glob("*.yaml")),
+            "gates/equivalence": sorted(eq.glob("*.py")),
+            f"references/{reference}": sorted(ref.glob("*.py")) + sorted(ref.glob("*.md"))}
+
+
+def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_spec: Path) -> dict:
+    """Create the workspace (a fresh git repo) from scenarios/<scenario>/ or a sealed engine. Returns seed info."""
+    template = REPO_ROOT / "scenarios" / scenario
+    if not (template / "engine.py").exists():
+        raise ConfigError(f"scenario template {template} has no engine.py")
+    if ws.exists():
+        shutil.rmtree(ws)
+    eng = ws / ENGINE_DIR
+    info = {"template": str(template)}
+    if seed_from:
+        sealed = Path(seed_from).expanduser().resolve()
+        src = sealed / ENGINE_DIR if (sealed / ENGINE_DIR).is_dir() else sealed
+        if not (src / "engine.py").exists():
+            raise ConfigError(f"forge.seed_from={seed_from}: no engine.py in {src} (expected a seal dir with engine/)")
+        seal = sealed / "seal.json"
+        if seal.exists():
+            import json
+
+            want = json.loads(seal.read_text()).get("source_hash")
+            got = source_hash(src)
+            if want and want != got:
+                raise ConfigError(f"forge.seed_from={seed_from}: engine source hash {got} does not match "
+                                  f"seal.json's {want}; the sealed engine was modified")
+            info["seal"] = str(seal)
+        _copy_tree(src, eng)
+        info["seed_from"] = str(src)
+    else:
+        _copy_tree(template, eng)
+    for f in eng.rglob("*.py"):
+        src_text = f.read_text()
+        new = rewrite_scenario_imports(src_text, scenario)
+        if new != src_text:
+            f.write_text(new)
+    for sub, files in gate_sources(reference).items():
+        (ws / sub).mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copy2(f, ws / sub / f.name)
+    shutil.copy2(ladder_spec, ws / "gates" / "ladder_spec.json")
+    (ws / ".gitignore").write_text(GITIGNORE)
+    (ws / "BRIEF.md").write_text("# brief\n(written by the harness each round)\n")
+    git(ws, "init", "-q")
+    git(ws, "add", "-A")
+    git(ws, "commit", "-q", "-m", f"seed: {info.get('seed_from', info['template'])}")
+    info["commit"] = git(ws, "rev-parse", "HEAD")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------- snapshots
+
+def stage_tree(ws: Path) -> str:
+    """Stage the whole working tree (``git add -A``) and return its tree id."""
+    git(ws, "add", "-A")
+    return git(ws, "write-tree")
+
+
+def snapshot(ws: Path, ref: str, message: str) -> str:
+    """Record the working tree as a commit at ``ref`` (off the branch); returns the commit id."""
+    tree = stage_tree(ws)
+    commit = git(ws, "commit-tree", tree, "-p", "HEAD", "-m", message)
+    git(ws, "update-ref", ref, commit)
+    return commit
+
+
+def commit_branch(ws: Path, message: str) -> str:
+    """Commit the working tree onto the branch (even when nothing changed); returns the commit id."""
+    stage_tree(ws)
+    git(ws, "commit", "-q", "--allow-empty", "-m", message)
+    return git(ws, "rev-parse", "HEAD")
+
+
+def changed_paths(ws: Path, base: str) -> list[tuple[str, str]]:
+    """``(status, path)`` for every path that differs between ``base`` (a tree or commit) and the working tree
+    (untracked files included, ignored ones not). Renames are reported as delete + add."""
+    stage_tree(ws)
+    out = git(ws, "diff", "--cached", "--no-renames", "--name-status", base)
+    rows = []
+    for line in out.splitlines():
+        status, _, path = line.partition("\t")
+        rows.append((status.strip(), path.strip()))
+    return rows
+
+
+def revert_to(ws: Path, base: str) -> None:
+    """Make the working tree and index exactly ``base`` (tree or commit): restore changed/deleted files, remove
+    added ones. Ignored files (caches, forge_state.json) are left alone."""
+    git(ws, "read-tree", base)
+    git(ws, "checkout-index", "-a", "-f")
+    git(ws, "clean", "-fdq")
+
+
+def outside_engine(rows: list[tuple[str, str]]) -> list[str]:
+    return [f"{s} {p}" for s, p in rows if not p.startswith(EDITABLE_PREFIX)]
+
+
+def engine_symlinks(ws: Path) -> list[str]:
+    eng = ws / ENGINE_DIR
+    return [str(p.relative_to(ws)) for p in eng.rglob("*") if p.is_symlink()] if eng.exists() else []
+
+
+def diff_summary(ws: Path, a: str, b: str, max_lines: int = 12) -> dict:
+    """What changed in engine/ between two commits: ``stat`` (files/lines) and the first changed lines."""
+    stat = git(ws, "diff", "--shortstat", a, b, "--", ENGINE_DIR, check=False)
+    files = git(ws, "diff", "--numstat", a, b, "--", ENGINE_DIR, check=False)
+    body = git(ws, "diff", "-U0", a, b, "--", ENGINE_DIR, check=False)
+    changed = [ln[:160] for ln in body.splitlines()
+               if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    per_file = []
+    for ln in files.splitlines():
+        parts = ln.split("\t")
+        if len(parts) == 3:
+            per_file.append(f"{parts[2]} (+{parts[0]} -{parts[1]})")
+    return {"stat": stat, "files": per_file, "lines": changed[:max_lines],
+            "truncated": max(0, len(changed) - max_lines)}
+
+
+# ---------------------------------------------------------------------------------------------------- hashing
+
+def source_hash(engine_dir: Path) -> str:
+    """sha256 over the engine's files (relative path + bytes, sorted), caches excluded."""
+    h = hashlib.sha256()
+    for rel, digest in sorted(file_hashes(engine_dir).items()):
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not any(part in _SKIP for part in p.parts) and p.suffix != ".pyc":
+            out[str(p.relative_to(root))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def default_gate_paths() -> list[Path]:
+    """The repo's gates: the tier rules and thresholds, the verify/train/trace harness, and the references."""
+    f = REPO_ROOT / "forgetrain"
+    return [f / "equivalence", REPO_ROOT / "conf" / "tier", REPO_ROOT / "references", f / "verify.py",
+            f / "train.py", f / "trace.py", f / "forge"]
+
+
+def hash_paths(paths: list[Path]) -> dict[str, str]:
+    """sha256 of every file under ``paths`` (files or dirs; missing ones hash as absent)."""
+    out: dict[str, str] = {}
+    for p in paths:
+        p = Path(p)
+        if p.is_file():
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_dir():
+            out.update({str(p / k): v for k, v in file_hashes(p).items()})
+    return out
+
+
+def hash_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    rows = []
+    for k in sorted(set(before) | set(after)):
+        if k not in after:
+            rows.append(f"deleted {k}")
+        elif k not in before:
+            rows.append(f"added {k}")
+        elif before[k] != after[k]:
+            rows.append(f"modified {k}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+_PKG = "_forge_candidate"
+
+
+def load_engine_class(engine_dir: str | Path, package: str = _PKG):
+    """Import ``engine_dir/engine.py`` as ``<package>.engine`` (``engine_dir`` becomes the package, so relative
+    imports resolve inside it) and return its ``Engine`` class. Raises ImportError / AttributeError."""
+    engine_dir = Path(engine_dir).resolve()
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[name]
+    init = engine_dir / "__init__.py"
+    if init.exists():
+        spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(engine_dir)])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules[package] = pkg
+        spec.loader.exec_module(pkg)
+    else:
+        pkg = types.ModuleType(package)
+        pkg.__path__ = [str(engine_dir)]
+        pkg.__file__ = None
+        sys.modules[package] = pkg
+    spec = importlib.util.spec_from_file_location(f"{package}.engine", engine_dir / "engine.py")
+    if spec is None:
+        raise ImportError(f"no engine.py in {engine_dir}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"{package}.engine"] = mod
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "Engine"):
+        raise AttributeError(f"{engine_dir / 'engine.py'} defines no Engine class")
+    return mod.Engine
+
+
+def python() -> str:
+    return os.environ.get("FORGE_PYTHON", sys.executable)
