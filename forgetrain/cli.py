@@ -56,7 +56,7 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
                               f"{', '.join(registry.scenarios())}")
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
         msg = lines[0] if lines else type(e).__name__
@@ -72,6 +72,15 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
                         opts.append(y)
                 detail = x.rstrip(":") + ": " + ", ".join(opts)
         raise ConfigError(f"{msg}" + (f" ({detail})" if detail else "")) from None
+    # validate values too, before Hydra creates a run directory (nothing is written for bad input)
+    from omegaconf import OmegaConf
+
+    from forgetrain.config import to_run_config, validate
+
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    for extra in ("verify", "tier", "bench", "forge", "agent"):
+        obj.pop(extra, None)
+    validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:

@@ -257,6 +257,17 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must lie in [0, train.steps={t.steps}]")
     if t.clip_grad < 0 or t.weight_decay < 0:
         raise ConfigError("train.clip_grad and train.weight_decay must be >= 0")
+    if d.path is not None:
+        import os
+
+        missing = [x for x in (d.path + ".bin", d.path + ".idx") if not os.path.isfile(x)]
+        if missing:
+            raise ConfigError(f"data path '{d.path}' not found: expected {d.path}.bin and {d.path}.idx")
+    if d.tokenizer is not None:
+        import os
+
+        if not os.path.isfile(d.tokenizer):
+            raise ConfigError(f"tokenizer '{d.tokenizer}' not found (expected an HF tokenizer.json)")
     if not (0.0 <= d.valid_fraction < 1.0):
         raise ConfigError(f"data.valid_fraction must lie in [0, 1), got {d.valid_fraction}")
     sizes = p.data_parallel_size * p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size

@@ -311,6 +311,18 @@ def test_tolerance_rejects_lr_tokens_nan_and_precision_mismatch(pair):
     assert not v.passed and "precisions differ" in v.summary
 
 
+def test_tolerance_rejects_different_step_counts(pair):
+    ref, make = pair
+    v = tolerance(ref, make(lambda r: r["records"].pop(), "short"))
+    assert not v.passed and v.first_divergence["step"] == 6 and "lacks 1 step" in v.summary
+
+    def longer(run):
+        run["records"].append(dict(run["records"][-1], step=7))
+
+    v = tolerance(ref, make(longer, "long"))
+    assert not v.passed and "step(s) the reference lacks" in v.summary
+
+
 def test_tolerance_requires_final_params(pair):
     ref, make = pair
     v = tolerance(ref, make(lambda r: r.__setitem__("final", None), "nofinal"))

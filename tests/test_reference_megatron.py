@@ -240,3 +240,36 @@ def test_distributed_optimizer_dp1_fp32_matches_plain():
         rp, rz = plain.train_step(b), zero.train_step(b)
         assert rp.loss == rz.loss and rp.lr == rz.lr and torch.equal(rp.per_token_loss, rz.per_token_loss)
         assert abs(rp.grad_norm - rz.grad_norm) <= 1e-6 * rp.grad_norm  # order of the norm terms differs
+
+
+def test_shim_is_scoped_idempotent_and_its_rng_tracker_forks():
+    from references.megatron import shim
+
+    shim.install()
+    zeros = torch.zeros
+    shim.install()
+    assert torch.zeros is zeros and shim.installed()  # idempotent: nothing wrapped twice
+    # Outside megatron nothing changes.
+    assert torch.ones(2).type() == "torch.FloatTensor"
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(1, device="cuda")
+    # Inside megatron code (judged by the caller's module name) CUDA placement means CPU.
+    scope = {"__name__": "megatron.core.fake_module", "torch": torch}
+    exec("dev = torch.zeros(1, device='cuda').device.type\n"
+         "cur = torch.cuda.current_device()\n"
+         "name = torch.ones(1, dtype=torch.bfloat16).type()\n"
+         "x = torch.arange(3.0); same = x.cuda() is x", scope)
+    assert scope["dev"] == "cpu" and scope["cur"] == torch.device("cpu")
+    assert scope["name"] == "torch.cuda.BFloat16Tensor" and scope["same"]
+    tracker = shim.CpuRNGStatesTracker()
+    tracker.add("model-parallel-rng", 7)
+    outer = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)  # the outer CPU generator is restored
+    with tracker.fork():
+        b = torch.rand(3)
+    torch.manual_seed(7)
+    want = torch.rand(6)
+    assert torch.equal(torch.cat([a, b]), want)  # the named state advances across forks

@@ -75,9 +75,11 @@ def _curve(d: str) -> tuple[np.ndarray, np.ndarray] | None:
 
 def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | None,
                      verdicts: Sequence[Verdict] = ()) -> Path:
-    """Write a two-panel PNG: losses (references, candidate, and the loss-curve band if a verdict has one) and
-    the per-step difference candidate - reference mean (log |diff| when it spans > 2 decades or is tiny relative
-    to the loss, else signed; the references' own |seed - mean| in grey for scale). Unreadable traces are
+    """Write a two-panel PNG. Top: losses of the references and the candidate, and, when a loss_curve verdict
+    is given, its band (one box per window: the band constrains window means) with the reference and candidate
+    window means. Bottom: the per-step difference candidate - reference mean: log |diff| when every difference
+    is below 1e-3 of the loss (rounding-level: bitwise/tolerance runs), else signed, with its running mean and
+    the band half-width around zero; the references' own seed - mean in grey for scale. Unreadable traces are
     skipped and named in the figure. Returns the path. Uses matplotlib's Agg backend (no display needed)."""
     import matplotlib
 
@@ -86,18 +88,23 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
 
     refs = [(d, _curve(d)) for d in _paths(ref_dirs)]
     cand = _curve(str(cand_dir)) if cand_dir is not None else None
-    unreadable = [d for d, c in refs if c is None] + ([str(cand_dir)] if cand_dir is not None and cand is None else [])
+    unreadable = [d for d, c in refs if c is None]
+    if cand_dir is not None and cand is None:
+        unreadable.append(str(cand_dir))
     refs = [(d, c) for d, c in refs if c is not None]
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     lc = next((v for v in verdicts if v.tier == "loss_curve" and v.evidence.get("windows")), None)
-    if lc is not None:
-        xs, lo, hi = [], [], []
-        for w in lc.evidence["windows"]:
-            xs += w["steps"]
-            lo += [w["lo"], w["lo"]]
-            hi += [w["hi"], w["hi"]]
-        ax1.fill_between(xs, lo, hi, color="0.85", label="reference band (per window)", zorder=0)
+    windows = lc.evidence["windows"] if lc is not None else []
+    for j, w in enumerate(windows):  # the band constrains WINDOW MEANS: one box per window, the mean as a mark
+        s0, s1 = w["steps"]
+        ax1.fill_between([s0, s1], [w["lo"]] * 2, [w["hi"]] * 2, color="0.88", zorder=0,
+                         label="loss-curve band for window means" if j == 0 else None)
+        ax1.plot([s0, s1], [w["ref_mean"]] * 2, color="0.35", lw=1.2, zorder=1,
+                 label="reference window mean" if j == 0 else None)
+        ax1.plot([(s0 + s1) / 2], [w["cand"]], "D", ms=4, zorder=3,
+                 color="tab:red" if w["inside"] else "black",
+                 label="candidate window mean" if j == 0 else None)
     cmap = plt.get_cmap("Blues")
     for i, (d, (s, l)) in enumerate(refs):
         ax1.plot(s, l, lw=0.9, alpha=0.8, color=cmap(0.45 + 0.5 * i / max(1, len(refs) - 1)),
@@ -123,30 +130,37 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
             x = np.array(common)
             label = "cand - reference" if len(refs) == 1 else f"cand - mean of {len(refs)} references"
             nz = np.abs(diff[np.isfinite(diff) & (diff != 0)])
+            scale = float(np.nanmean(np.abs(mean))) or 1.0
             if nz.size == 0:
                 ax2.axhline(0.0, color="tab:red", lw=1)
                 ax2.text(0.5, 0.5, "candidate == reference at every compared step", transform=ax2.transAxes,
                          ha="center", va="center")
                 ax2.set_ylabel("cand - ref (nats)")
-            else:
-                scale = float(np.nanmean(np.abs(mean))) or 1.0
-                use_log = nz.max() / nz.min() > 100 or nz.max() < 1e-3 * scale
-                if use_log:
-                    ax2.semilogy(x, np.abs(diff), ".", ms=3, color="tab:red", label=f"|{label}|")
-                    if len(refs) > 1:
-                        for i in range(len(refs)):
-                            ax2.semilogy(x, np.abs(R[i] - mean), lw=0.6, color="0.6",
-                                         label="|seed - mean| (reference spread)" if i == 0 else None)
-                    ax2.set_ylabel("|cand - ref| (nats, log)")
-                else:
-                    if len(refs) > 1:
-                        for i in range(len(refs)):
-                            ax2.plot(x, R[i] - mean, lw=0.6, color="0.6",
-                                     label="seed - mean (reference spread)" if i == 0 else None)
-                    ax2.plot(x, diff, lw=1.0, color="tab:red", label=label)
-                    ax2.axhline(0.0, color="k", lw=0.5)
-                    ax2.set_ylabel("cand - ref (nats)")
+            elif nz.max() < 1e-3 * scale:  # rounding-level differences: magnitudes matter, use log |diff|
+                ax2.semilogy(x, np.abs(diff), ".-", ms=3, lw=0.6, color="tab:red", label=f"|{label}|")
+                if len(refs) > 1:
+                    for i in range(len(refs)):
+                        ax2.semilogy(x, np.abs(R[i] - mean), lw=0.6, color="0.6",
+                                     label="|seed - mean| (reference spread)" if i == 0 else None)
+                ax2.set_ylabel("|cand - ref| (nats, log)")
                 ax2.legend(fontsize=8, loc="upper right")
+            else:  # noisy curves: signed per-step diff, its running mean, and the band around zero
+                for j, w in enumerate(windows):
+                    s0, s1 = w["steps"]
+                    ax2.fill_between([s0, s1], [-w["half_width"]] * 2, [w["half_width"]] * 2, color="0.88",
+                                     zorder=0, label="band half-width" if j == 0 else None)
+                if len(refs) > 1:
+                    for i in range(len(refs)):
+                        ax2.plot(x, R[i] - mean, lw=0.5, color="0.6",
+                                 label="seed - mean (reference spread)" if i == 0 else None)
+                ax2.plot(x, diff, lw=0.6, color="tab:red", alpha=0.45, label=label)
+                win = int(lc.evidence["window_steps"]) if lc is not None else max(1, len(x) // 20)
+                if win > 1 and len(x) >= win:
+                    run = np.convolve(diff, np.ones(win) / win, mode="valid")
+                    ax2.plot(x[win - 1:], run, lw=1.6, color="tab:red", label=f"running mean ({win} steps)")
+                ax2.axhline(0.0, color="k", lw=0.5)
+                ax2.set_ylabel("cand - ref (nats)")
+                ax2.legend(fontsize=8, loc="upper left", ncol=2)
     else:
         ax2.text(0.5, 0.5, "no reference/candidate pair to difference", transform=ax2.transAxes,
                  ha="center", va="center")

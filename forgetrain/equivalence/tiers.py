@@ -299,7 +299,8 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
 
     for side, lst in missing_required.items():
         if lst:
-            problems.append(f"digests required (require_digests) but the {'reference' if side == 'ref' else 'candidate'}"
+            who = "reference" if side == "ref" else "candidate"
+            problems.append(f"digests required (require_digests) but the {who}"
                             f" lacks per_token_loss/grads/params digests at {len(lst)} step(s) (first: step "
                             f"{lst[0]}); record them with train.digests=true")
     digests_ev = {"compared": digest_steps > 0, "steps_compared": digest_steps, "steps_total": len(steps),
@@ -457,6 +458,9 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
     missing = [s for s in steps if s not in cand]
     if missing:
         problems.append(f"candidate lacks {len(missing)} step(s) of the reference (first: step {missing[0]})")
+    extra = sorted(s for s in cand if s not in ref and (max_steps is None or s <= int(max_steps)))
+    if extra:
+        problems.append(f"candidate has {len(extra)} step(s) the reference lacks (first: step {extra[0]})")
 
     divergences: list[dict] = []
     metrics = (("loss", "loss_rtol"), ("grad_norm", "grad_norm_rtol"), ("lr", "lr_rtol"))
@@ -543,8 +547,9 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
             worst_parts.append(f"final params rel L2 {_fmt(final_ev['total_rel_l2'])}")
         summary = f"{precision}: {len(steps)} steps within tolerance; " + "; ".join(worst_parts)
     elif first is not None:
-        summary = (f"{precision}: first exceedance {describe_divergence(first)} rel {_fmt(first.get('rel_err'))} > "
-                   f"{_fmt(first.get('threshold'))}; {len(divergences)} exceedance(s)")
+        rel = (f" rel {_fmt(first['rel_err'])} > {_fmt(first['threshold'])}" if "rel_err" in first
+               else " (must be equal)")
+        summary = f"{precision}: first exceedance {describe_divergence(first)}{rel}; {len(divergences)} exceedance(s)"
         if problems:
             summary += f"; also: {problems[0]}"
     else:

@@ -96,6 +96,8 @@ class Engine:
         elif self.device.type == "cuda":
             if self.device.index is not None:
                 torch.cuda.set_device(self.device)
+            elif "LOCAL_RANK" in os.environ:  # torchrun: one GPU per local rank
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             if t.deterministic:
                 # Megatron-LM's --deterministic-mode requirements (see docs/megatron-alignment notes).
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

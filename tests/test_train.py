@@ -1,0 +1,141 @@
+"""The main job end to end: CLI in a subprocess, bitwise resume, sweeps, W&B offline, and every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model=llama_micro", "train.steps=6", "train.lr_warmup_steps=1", "train.micro_batch_size=4",
+        "train.global_batch_size=8", "train.eval_interval=3", "train.eval_iters=2", "train.sample_tokens=8",
+        "train.save_interval=3"]
+
+
+def run(args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "forgetrain", *args], cwd=cwd or ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def records(out: Path):
+    return [json.loads(x) for x in (out / "trace" / "trace.jsonl").read_text().splitlines()]
+
+
+NUMERIC = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "digests")
+
+
+def numeric(recs):
+    return [{k: r[k] for k in NUMERIC if k in r} for r in recs]
+
+
+def test_cli_trains_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    p = run([*FAST, f"train.out_dir={out}"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = records(out)
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "lr", "tokens", "step_s", "tokens_per_s", "mfu_pct"):
+        assert key in recs[0]
+    assert "val_loss" in recs[2] and "val_loss" in recs[5]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sample"].startswith("ROMEO.")
+    assert (out / "trace" / "final.safetensors").exists() and (out / "loss.png").exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000006"
+    assert "=== summary ===" in p.stderr and "measured CPU matmul peak" in p.stderr
+
+
+def test_loss_falls_on_real_text(tmp_path):
+    out = tmp_path / "run"
+    p = run(["model=llama_micro", "train.steps=40", "train.lr_warmup_steps=4", "train.lr=1e-2", "train.min_lr=1e-3",
+             "train.eval_interval=0", "train.sample_tokens=0", f"train.out_dir={out}"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = records(out)
+    assert recs[0]["loss"] > 8.0  # ~ ln(4096) = 8.32
+    assert recs[-1]["loss"] < recs[0]["loss"] - 1.5
+
+
+def test_resume_is_bitwise(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run([*FAST, "train.digests=true", f"train.out_dir={full}"]).returncode == 0
+    p1 = run([*FAST, "train.digests=true", "train.stop_after=3", f"train.out_dir={part}"])
+    assert p1.returncode == 0, p1.stderr[-2000:]
+    assert len(records(part)) == 3
+    p2 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])
+    assert p2.returncode == 0, p2.stderr[-2000:]
+    assert "resumed from" in p2.stderr
+    assert numeric(records(part)) == numeric(records(full))
+
+
+def test_resume_without_checkpoint_is_one_line_error(tmp_path):
+    p = run([*FAST, "train.resume=true", f"train.out_dir={tmp_path / 'none'}"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: train.resume=true but no complete checkpoint")
+
+
+def test_sweep_runs_every_value(tmp_path):
+    p = run(["-m", *FAST, "train.steps=2", "train.save_interval=0", "train.sample_tokens=0",
+             "train.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    for job in ("0", "1"):
+        assert (tmp_path / job / "trace" / "trace.jsonl").exists()
+    lrs = {json.loads((tmp_path / j / ".hydra" / "overrides.yaml").read_text().count("train.lr=1e-3")) for j in "01"}
+    assert lrs == {0, 1}
+
+
+def test_wandb_offline(tmp_path):
+    out = tmp_path / "run"
+    p = run([*FAST, "train.steps=2", "train.sample_tokens=0", "logger=wandb", f"train.out_dir={out}"],
+            timeout=400)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert list((out / "wandb").glob("offline-run-*")), "W&B must log offline by default"
+
+
+def _truncated(tmp_path, suffix):
+    from forgetrain.config import DataConfig
+    from forgetrain.data import prepare
+
+    prep = prepare(DataConfig(), progress=False)
+    dst = tmp_path / "data" / "train"
+    dst.parent.mkdir()
+    for ext in (".bin", ".idx"):
+        data = Path(prep.train_prefix + ext).read_bytes()
+        if ext == suffix:
+            data = data[: len(data) // 2]
+        (dst.parent / ("train" + ext)).write_bytes(data)
+    return str(dst), prep.tokenizer_path
+
+
+BAD = {
+    "unknown_scenario": (["scenario=nope"], "unknown scenario 'nope'"),
+    "heads_not_dividing_hidden": (["model.num_attention_heads=7"], "does not divide model.hidden_size"),
+    "groups_not_dividing_heads": (["model.num_query_groups=3"], "does not divide model.num_attention_heads"),
+    "global_batch": (["train.global_batch_size=12"], "is not a multiple of"),
+    "missing_data": (["data.path=/nonexistent/ds"], "not found"),
+    "unknown_key": (["train.foo=1"], "Key 'foo' not in 'TrainConfig'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line(case, tmp_path):
+    args, needle = BAD[case]
+    out = tmp_path / "out"
+    p = run([*args, f"train.out_dir={out}"], cwd=tmp_path)
+    assert p.returncode == 2, (p.returncode, p.stderr[-1500:])
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], p.stderr
+    assert not out.exists() and not (tmp_path / "outputs").exists(), "bad input must write nothing"
+
+
+@pytest.mark.parametrize("suffix", [".idx", ".bin"])
+def test_truncated_dataset_is_one_line(suffix, tmp_path):
+    prefix, tok = _truncated(tmp_path, suffix)
+    out = tmp_path / "out"
+    p = run([*FAST, f"data.path={prefix}", f"data.tokenizer={tok}", f"train.out_dir={out}"], cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-1500:]
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    assert lines[-1].startswith("error: ") and "Traceback" not in p.stderr
+    assert suffix in lines[-1] or "truncated" in lines[-1] or "corrupt" in lines[-1], lines[-1]
+    assert not (out / "trace").exists() and not (out / "checkpoints").exists()
