@@ -26,6 +26,8 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
 def precheck_overrides(config_name: str, argv: list[str]) -> None:

@@ -28,8 +28,14 @@ import torch
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 (first 16 hex) of a tensor's bytes, dtype and shape; layout-sensitive by design."""
+    """sha256 (first 16 hex) of a tensor's bytes, dtype and shape; layout-sensitive by design.
+
+    Float tensors are canonicalised with ``+ 0.0`` first so -0.0 and +0.0 hash alike (``torch.equal`` semantics:
+    an accumulation buffer that starts at +0 may legitimately differ in the sign of an exact zero).
+    """
     t = t.detach()
+    if t.is_floating_point():
+        t = t + 0.0
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     a = t.contiguous().cpu().numpy()

@@ -56,20 +56,20 @@ def versions() -> dict:
 
 
 class _Probe:
-    """Records each probed module's first-tensor output digest and its output-gradient digest (one step)."""
+    """Records, for the first micro-batch of a step, each probed module's first-tensor output digest and the
+    digest of the gradient flowing into that output (one step only; later micro-batches are ignored so that a
+    data-order bug shows as a loss divergence, not as a module one)."""
 
     def __init__(self, probes: dict[str, torch.nn.Module]):
         self.records: dict[str, dict] = {}
-        self.handles = []
-        for name, mod in probes.items():
-            self.handles.append(mod.register_forward_hook(self._hook(name)))
+        self.handles = [mod.register_forward_hook(self._hook(name)) for name, mod in probes.items()]
 
     def _hook(self, name):
         def fwd(_mod, _inp, out):
+            if name in self.records:
+                return
             t = out[0] if isinstance(out, (tuple, list)) else out
-            rec = self.records.setdefault(name, {})
-            rec["fwd"] = tensor_digest(t)
-            rec["fwd_l2"] = float(t.detach().float().norm())
+            rec = self.records[name] = {"fwd": tensor_digest(t), "fwd_l2": float(t.detach().float().norm())}
             if t.requires_grad:
                 def on_grad(g, rec=rec):
                     rec["grad"] = tensor_digest(g)

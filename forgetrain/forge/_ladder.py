@@ -56,7 +56,7 @@ def _trace_stats(trace_dir: Path) -> dict | None:
         return None
     med = {k: statistics.median(r[k] for r in steady) for k in ("step_s", "tokens_per_s", "mfu_pct")
            if all(k in r for r in steady)}
-    med["steps"] = len(recs)
+    med["steps"], med["timed_steps"] = len(recs), len(steady)
     return med
 
 
@@ -67,8 +67,9 @@ def _metrics(out: Path, tier: str, golden: Path | None) -> dict:
     m: dict = {}
     if cand:
         m.update({"mfu_pct": cand.get("mfu_pct"), "tokens_per_s": cand.get("tokens_per_s"),
-                  "step_s": cand.get("step_s"), "measured_on": f"{tier} gate run, median of {cand['steps']} steps "
-                                                                 f"after the first (short run: indicative only)"})
+                  "step_s": cand.get("step_s"),
+                  "measured_on": f"{tier} gate run: median of the last {cand['timed_steps']} of {cand['steps']} "
+                                 f"steps (short run on a shared machine: indicative only)"})
         m["candidate"] = cand
     if ref:
         m["reference"] = ref

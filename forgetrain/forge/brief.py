@@ -16,19 +16,28 @@ import json
 from forgetrain.forge.knowledge import fix_line
 
 
+def _value(x):
+    """A divergence side as a short value: the L2 or mean of a probe/tensor record, else the value itself."""
+    if isinstance(x, dict):
+        for k in ("l2", "mean", "value"):
+            if k in x:
+                return x[k]
+    return x
+
+
 def describe(d: dict | None) -> str:
-    """One line for a first_divergence dict (kept local: the brief must render even without torch)."""
+    """One line for a first_divergence dict (kept local so that the brief renders without the gates' code)."""
     if not d:
         return "-"
     where = d.get("tensor") or d.get("module") or ""
     s = f"step {d.get('step')} {d.get('kind')}" + (f" {where}" if where else "")
-    ref, cand = d.get("ref"), d.get("cand")
-    if isinstance(ref, dict) or isinstance(cand, dict):
-        s += f" (ref {json.dumps(ref, default=str)[:120]}, cand {json.dumps(cand, default=str)[:120]})"
-    elif isinstance(ref, str) and isinstance(cand, str) and len(ref) >= 8:
+    ref, cand = _value(d.get("ref")), _value(d.get("cand"))
+    if isinstance(ref, (int, float)) and isinstance(cand, (int, float)) and not isinstance(ref, bool):
+        s += f" (ref {ref:.6g}, cand {cand:.6g})"
+    elif isinstance(ref, str) and isinstance(cand, str):
         s += f" (digest {ref[:8]} != {cand[:8]})"
     elif ref is not None or cand is not None:
-        s += f" (ref {ref!r}, cand {cand!r})"
+        s += f" (ref {json.dumps(ref, default=str)[:80]}, cand {json.dumps(cand, default=str)[:80]})"
     return s
 
 

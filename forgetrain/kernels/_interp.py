@@ -7,6 +7,7 @@ Why: Triton 3.x's interpreter (``TRITON_INTERPRET=1``) stores bf16 as raw ``uint
   The GPU (``cvt.rn.bf16.f32``) rounds to nearest, ties to even. Truncation biases every bf16 output by
   half an ulp, so a correct kernel would fail validation against ``torch`` (which rounds to nearest);
 * cannot use a runtime scalar as a loop bound under numpy 2 (``int()`` of a 1-element array);
+* evaluates ``tl.fma`` as a separately rounded multiply and add;
 * does bf16 arithmetic (``a + b`` with bf16 operands, ``tl.dot`` on bf16) on the integer bit patterns,
   which yields garbage. The GPU computes these in hardware bf16 (round to nearest even).
 
@@ -106,6 +107,18 @@ def apply() -> None:
         orig_patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 
+    def create_fma(self, x, y, z):
+        # a fused multiply-add rounds once; numpy's x * y + z in fp32 rounds twice. The fp64 product of two fp32
+        # values is exact, so only the final add can double-round (ties at fp32 precision: negligible).
+        if x.data.dtype == np.float32:
+            r = (x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64))
+            return TH(r.astype(np.float32), z.dtype.scalar)
+        if _is_bf16(x):
+            r = bf16_bits_to_f32(x.data).astype(np.float64) * bf16_bits_to_f32(y.data) + bf16_bits_to_f32(z.data)
+            return TH(f32_to_bf16_bits(r.astype(np.float32)), tl.bfloat16)
+        return TH(x.data * y.data + z.data, z.dtype.scalar)
+
+    I.InterpreterBuilder.create_fma = create_fma
     I._patch_lang_tensor = _patch_lang_tensor
     I._convert_float = _convert_float
     I.InterpreterBuilder.binary_op = binary_op

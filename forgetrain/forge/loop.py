@@ -1,0 +1,617 @@
+"""The forge loop: brief -> agent -> guard -> ladder -> record -> learn -> seal, one round at a time.
+
+:func:`forge` is the API (``forgetrain.forge.forge``); ``python -m forgetrain.forge`` calls it from Hydra.
+
+Outputs under ``forge.out_dir`` (default ``outputs/forge/<scenario>/<mode>``)::
+
+    workspace/            the git workspace (see forgetrain.forge.workspace); forge_state.json inside
+    ladder_spec.json      what the gates run (the harness's copy; the workspace has a read-only one)
+    golden/               the reference's short-run traces, stored by the first ladder run and reused
+    rounds/<k>/           BRIEF.md, agent.stdout/.stderr, ladder.log, ladder_result.json, ladder/ (gate runs)
+    forge_log.jsonl       one line per round (round 0 is the baseline ladder run on the seeded engine)
+    sealed/               engine/ + seal.json once the target is reached
+    ../modes.json         per-mode summary (full vs goal_only side by side)
+
+State (``workspace/forge_state.json``, written atomically after every round) holds the last completed round, the
+status, the last ladder result and the commit of the engine it describes, so ``forge.resume=true`` continues
+after the last completed round: a round interrupted half-way is discarded (the workspace is reset to the last
+completed round's commit) and run again.
+
+Invariant: ``state["last_ladder"]`` always describes the engine at ``state["end_commit"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from forgetrain.config import RunConfig, validate
+from forgetrain.errors import ConfigError
+from forgetrain.forge import MODES, AgentConfig, ForgeOptions
+from forgetrain.forge import brief as briefmod
+from forgetrain.forge import workspace as wsmod
+from forgetrain.forge._ladder import TIER_ORDER, tiers_to_try
+from forgetrain.forge.knowledge import KnowledgeBase
+from forgetrain.guard import scan_tree
+from forgetrain.trace import atomic_write_bytes, atomic_write_json
+
+STATE_VERSION = 1
+LadderFn = Callable[[Path, Path, Path, float, Path], dict]
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+def _kill_group(p: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM the process group led by ``p``, then SIGKILL what is left after ``grace_s``. The leader is reaped
+    while waiting (a zombie still counts as a group member for ``killpg(pgid, 0)``)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            p.poll()
+            try:
+                os.killpg(p.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    if p.poll() is None:
+        p.wait()
+
+
+def _run_group(cmd, *, cwd: Path, env: dict, timeout_s: float, stdin=None, stdout=None, stderr=None,
+               shell: bool = False) -> tuple[Optional[int], bool, float]:
+    """Run ``cmd`` in its own process group; returns (rc or None, timed_out, seconds). Leftover children of the
+    group are killed when it returns, so nothing keeps writing after the harness moves on."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, shell=shell, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+                         start_new_session=True)
+    timed_out = False
+    try:
+        rc = p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out, rc = True, None
+    finally:
+        _kill_group(p)
+    return rc, timed_out, time.monotonic() - t0
+
+
+def format_agent_command(template: str, brief: Path, ws: Path, round_k: int) -> str:
+    """Substitute ``{brief}``, ``{workspace}`` and ``{round}`` (paths shell-quoted where needed)."""
+    return (template.replace("{brief}", shlex.quote(str(brief))).replace("{workspace}", shlex.quote(str(ws)))
+            .replace("{round}", str(round_k)))
+
+
+def run_agent(agent: AgentConfig, ws: Path, brief: Path, round_k: int, rdir: Path) -> dict:
+    """Run the agent command in the workspace; stdout/stderr go to ``rdir``. Returns rc, timeout flag, seconds."""
+    cmd = format_agent_command(agent.command, brief, ws, round_k)
+    env = dict(os.environ, FORGE_BRIEF=str(brief), FORGE_WORKSPACE=str(ws), FORGE_ROUND=str(round_k),
+               FORGE_HARNESS_PID=str(os.getpid()))
+    (rdir / "agent.command").write_text(cmd + "\n")
+    with open(brief, "rb") as si, open(rdir / "agent.stdout", "wb") as so, open(rdir / "agent.stderr", "wb") as se:
+        rc, timed_out, secs = _run_group(cmd, shell=True, cwd=ws, env=env, timeout_s=agent.timeout_s, stdin=si,
+                                         stdout=so, stderr=se)
+    return {"agent_rc": rc, "agent_timeout": timed_out, "agent_s": round(secs, 3)}
+
+
+def subprocess_ladder(spec_path: Path, ws: Path, out: Path, timeout_s: float, log_path: Path) -> dict:
+    """The default ladder: ``python -m forgetrain.forge._ladder`` in a subprocess with a time limit."""
+    result = out.parent / "ladder_result.json"
+    if result.exists():
+        result.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(wsmod.REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    cmd = [wsmod.python(), "-m", "forgetrain.forge._ladder", "--spec", str(spec_path), "--workspace", str(ws),
+           "--out", str(out), "--result", str(result)]
+    with open(log_path, "wb") as log:
+        rc, timed_out, secs = _run_group(cmd, cwd=out, env=env, timeout_s=timeout_s, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT)
+    if timed_out:
+        return {"ok": False, "error": f"ladder timed out after {timeout_s:.0f} s (candidate hung or too slow)",
+                "timeout": True, "verdicts": [], "target_met": False, "strictest_passed": None, "wall_s": secs}
+    if not result.exists():
+        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+        return {"ok": False, "error": f"ladder process died (rc={rc}) without a result; see {log_path}",
+                "traceback": tail, "verdicts": [], "target_met": False, "strictest_passed": None, "wall_s": secs}
+    return json.loads(result.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _first_failure(res: dict | None) -> tuple[str | None, dict | None, str]:
+    """(tier, first_divergence, summary) of the first failed verdict of a ladder result."""
+    for v in (res or {}).get("verdicts", []):
+        if not v["passed"]:
+            return v["tier"], v.get("first_divergence"), v["summary"]
+    if res and res.get("error"):
+        return None, None, res["error"]
+    return None, None, ""
+
+
+def _ladder_text(res: dict | None) -> str:
+    if res is None:
+        return "-"
+    if not res.get("ok"):
+        return "timeout" if res.get("timeout") else "error"
+    tried = [v["tier"] for v in res.get("verdicts", [])]
+    if res.get("target_met"):
+        return f"PASS {res.get('strictest_passed')}" + (" +surpass" if res.get("surpassed") else "")
+    if res.get("strictest_passed"):
+        return f"PASS {res['strictest_passed']} (target not met)"
+    return "FAIL " + ",".join(tried)
+
+
+def _fmt_s(x) -> str:
+    return "-" if x is None else f"{x:.1f}s"
+
+
+def _shape(rc: RunConfig, steps: int) -> str:
+    m, t = rc.model, rc.train
+    return (f"model {m.name} (hidden {m.hidden_size}, {m.num_layers} layers, seq {m.seq_length}, vocab "
+            f"{m.vocab_size}), micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
+            f"{steps} steps, {t.precision} on {rc.hardware.device}")
+
+
+def _warmup(rc: RunConfig, opts: ForgeOptions) -> int:
+    """Warmup clamped below the gate's step count (Megatron's scheduler needs warmup < decay steps)."""
+    return max(0, min(rc.train.lr_warmup_steps, opts.verify_steps - 1))
+
+
+def build_spec(rc: RunConfig, opts: ForgeOptions, golden_root: Path) -> dict:
+    """The gates' input: the run config (train.steps = forge.verify_steps, warmup clamped to it), the tiers to
+    try, the verify options and where goldens go."""
+    c = dataclasses.replace(rc, train=dataclasses.replace(
+        rc.train, steps=opts.verify_steps, lr_warmup_steps=_warmup(rc, opts),
+        lr_decay_steps=None, out_dir=None, resume=False, stop_after=None, sample_tokens=0))
+    return {"run_config": dataclasses.asdict(c), "target_tier": opts.target_tier,
+            "tiers": tiers_to_try(opts.ladder_from, opts.target_tier),
+            "verify": {"reference": opts.reference, "steps": opts.verify_steps, "curve_steps": opts.curve_steps,
+                       "timing_steps": opts.timing_steps, "digests": True},
+            "golden_root": str(golden_root)}
+
+
+def _check(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig) -> None:
+    if opts.mode not in MODES:
+        raise ConfigError(f"forge.mode must be one of {', '.join(MODES)}, got '{opts.mode}'")
+    try:
+        tiers_to_try(opts.ladder_from, opts.target_tier)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if opts.max_rounds < 0:
+        raise ConfigError(f"forge.max_rounds must be >= 0, got {opts.max_rounds}")
+    if opts.max_rounds > 0 and not (agent.command or "").strip():
+        raise ConfigError('set agent.command, e.g. agent.command=\'claude -p "$(cat {brief})" '
+                          "--permission-mode acceptEdits' (docs/forge.md)")
+    if agent.timeout_s <= 0 or opts.ladder_timeout_s <= 0:
+        raise ConfigError("agent.timeout_s and forge.ladder_timeout_s must be positive")
+    if opts.verify_steps <= 0:
+        raise ConfigError(f"forge.verify_steps must be positive, got {opts.verify_steps}")
+    if opts.target_mfu_pct is not None and opts.target_mfu_pct <= 0:
+        raise ConfigError("forge.target_mfu_pct must be positive (or null)")
+    if opts.resume and opts.overwrite:
+        raise ConfigError("forge.resume and forge.overwrite exclude each other")
+    if shutil.which("git") is None:
+        raise ConfigError("the forge workspace needs git on PATH")
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+class _Run:
+    """One forge run; :func:`forge` is the public entry."""
+
+    def __init__(self, rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, ladder_fn: LadderFn | None,
+                 gate_paths: list[Path] | None):
+        self.rc, self.opts, self.agent = rc, opts, agent
+        self.scenario = rc.scenario.name
+        self.out = Path(opts.out_dir or Path("outputs") / "forge" / self.scenario / opts.mode).resolve()
+        self.ws = self.out / "workspace"
+        self.state_path = self.ws / "forge_state.json"
+        self.log_path = self.out / "forge_log.jsonl"
+        self.spec_path = self.out / "ladder_spec.json"
+        self.golden = self.out / "golden"
+        self.ladder_fn = ladder_fn or subprocess_ladder
+        self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else wsmod.default_gate_paths())]
+        self.kb = KnowledgeBase(opts.kb_path)
+        self.spec = build_spec(rc, opts, self.golden)
+        self.state: dict = {}
+        self.records: list[dict] = []
+
+    # ------------------------------------------------------------ setup / state
+    def prepare(self) -> None:
+        exists = self.state_path.exists()
+        if exists and not (self.opts.resume or self.opts.overwrite):
+            raise ConfigError(f"a forge run exists at {self.out}; rerun with forge.resume=true to continue it or "
+                              f"forge.overwrite=true to start over")
+        if exists and self.opts.resume:
+            self.state = json.loads(self.state_path.read_text())
+            old = json.loads(self.spec_path.read_text()) if self.spec_path.exists() else None
+            if old is not None and {k: v for k, v in old.items() if k != "golden_root"} != \
+                    {k: v for k, v in self.spec.items() if k != "golden_root"}:
+                diff = sorted(k for k in set(old) | set(self.spec) if old.get(k) != self.spec.get(k))
+                raise ConfigError(f"the gate config differs from the run being resumed at {self.out} ({', '.join(diff)});"
+                                  f" resume with the same overrides, or use forge.overwrite=true")
+            if self.state.get("mode") != self.opts.mode:
+                raise ConfigError(f"{self.out} holds a forge.mode={self.state.get('mode')} run, not {self.opts.mode}")
+            self.records = [r for r in self._read_log() if r["round"] <= self.state["round"]]
+            self._write_log()  # drop any line of a round that did not complete
+            _say(f"[forge] resuming {self.scenario} ({self.opts.mode}) after round {self.state['round']} "
+                 f"(status {self.state['status']})")
+            return
+        if self.opts.resume:
+            _say(f"[forge] nothing to resume at {self.out}; starting a new run")
+        for name in ("workspace", "rounds", "sealed", "golden", "agent_gate"):
+            shutil.rmtree(self.out / name, ignore_errors=True)
+        for name in ("forge_log.jsonl", "ladder_spec.json"):
+            (self.out / name).unlink(missing_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.spec_path, self.spec)
+        agent_spec = dict(self.spec, golden_root=str(self.out / "agent_gate" / "golden"))
+        tmp_spec = self.out / ".agent_spec.json"
+        atomic_write_json(tmp_spec, agent_spec)
+        info = wsmod.seed(self.ws, self.scenario, self.opts.seed_from, self.opts.reference, tmp_spec)
+        tmp_spec.unlink()
+        self.state = {"version": STATE_VERSION, "scenario": self.scenario, "mode": self.opts.mode, "round": 0,
+                      "status": "running", "seed": info, "end_commit": info["commit"], "last_ladder": None,
+                      "baseline_done": False, "failures": {}, "lessons": [], "target_met": False,
+                      "rounds_to_pass": None, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": 0.0}
+        self._save_state()
+        _say(f"[forge] new run: {self.scenario} ({self.opts.mode}) -> {self.out}; workspace seeded from "
+             f"{info.get('seed_from', info['template'])}")
+
+    def _read_log(self) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        return [json.loads(x) for x in self.log_path.read_text().splitlines() if x.strip()]
+
+    def _write_log(self) -> None:
+        atomic_write_bytes(self.log_path, "".join(json.dumps(r, default=str) + "\n" for r in self.records).encode())
+
+    def _save_state(self) -> None:
+        atomic_write_json(self.state_path, self.state)
+
+    # ------------------------------------------------------------ brief
+    def brief_ctx(self, k: int) -> dict:
+        s, o = self.state, self.opts
+        gate_cmd = (f"{shlex.quote(wsmod.python())} -m forgetrain.forge._ladder --spec gates/ladder_spec.json "
+                    f"--workspace . --out {shlex.quote(str(self.out / 'agent_gate' / 'run'))}")
+        ctx = {"scenario": self.scenario, "description": self.rc.scenario.description, "mode": o.mode, "round": k,
+               "max_rounds": o.max_rounds, "target_tier": o.target_tier, "target_mfu_pct": o.target_mfu_pct,
+               "tiers": self.spec["tiers"], "reference": o.reference, "gate_command": gate_cmd,
+               "shape": _shape(self.rc, o.verify_steps), "agent_timeout_s": self.agent.timeout_s}
+        if o.mode == "full":
+            ctx["history"] = self.records
+            ctx["last_ladder"] = s.get("last_ladder")
+            ctx["last_round"] = self.records[-1] if self.records else None
+            _, div, _ = _first_failure(s.get("last_ladder"))
+            ctx["lessons"] = self.kb.relevant(scenario=self.scenario, tiers=list(TIER_ORDER), divergence=div)
+        return ctx
+
+    # ------------------------------------------------------------ one ladder run
+    def ladder(self, k: int, rdir: Path) -> dict:
+        res = self.ladder_fn(self.spec_path, self.ws, rdir / "ladder", self.opts.ladder_timeout_s, rdir / "ladder.log")
+        res["round"] = k
+        atomic_write_json(rdir / "ladder_result.json", res)
+        return res
+
+    def learn(self, k: int, res: dict, commit: str) -> list[str]:
+        """Open failures per tier from this result; lessons for tiers that moved from failing to passing."""
+        keys = []
+        fails = self.state.setdefault("failures", {})
+        for v in res.get("verdicts", []):
+            t = v["tier"]
+            if not v["passed"]:
+                fails[t] = {"round": k, "commit": commit, "divergence": v.get("first_divergence"),
+                            "summary": v["summary"]}
+            elif t in fails:
+                f = fails.pop(t)
+                if self.opts.mode != "full":
+                    continue
+                fix = wsmod.diff_summary(self.ws, f["commit"], commit)
+                pitfall = f"{t} failed: {briefmod.describe(f['divergence'])}" if f.get("divergence") \
+                    else f"{t} failed: {f['summary']}"
+                lesson = self.kb.add(tier=t, divergence=f.get("divergence"), pitfall=pitfall, fix=fix,
+                                     evidence={"failed": f"round {f['round']}: {f['summary']}",
+                                               "passed": f"round {k}: {v['summary']}"},
+                                     scenario=self.scenario, source=str(self.out))
+                keys.append(lesson["key"])
+                _say(f"[forge] lesson recorded: {pitfall} -> {wsmod.git(self.ws, 'rev-parse', '--short', commit)}")
+        return keys
+
+    # ------------------------------------------------------------ rounds
+    def record(self, rec: dict) -> None:
+        self.records.append(rec)
+        self._write_log()
+        s = self.state
+        s["round"] = rec["round"]
+        s["wall_s"] = float(s.get("wall_s", 0.0)) + rec["wall_s"]
+        self._save_state()
+
+    def _finish_round(self, k: int, rec: dict, res: dict | None, changed: bool, t0: float) -> bool:
+        """Commit/snapshot, learn, check the goal, log. Returns True when the goal is reached."""
+        s = self.state
+        if res is not None and changed:
+            passed = bool(res.get("strictest_passed"))
+            msg = f"round {k}: {_ladder_text(res)}"
+            if passed:
+                commit = wsmod.commit_branch(self.ws, msg)
+                wsmod.git(self.ws, "update-ref", f"refs/forge/rounds/{k}", commit)
+            else:
+                commit = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", msg)
+            s["end_commit"], s["last_ladder"] = commit, res
+            rec["lessons"] = self.learn(k, res, commit)
+        else:  # nothing new to judge: the end state is the previous one (plus the brief)
+            s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: no engine change")
+        cur = s.get("last_ladder") or {}
+        mfu = (cur.get("metrics") or {}).get("mfu_pct")
+        goal = bool(cur.get("target_met")) and (self.opts.target_mfu_pct is None or
+                                                 (mfu is not None and mfu >= self.opts.target_mfu_pct))
+        tier, div, summ = _first_failure(res)
+        rec.update({"ladder": rec.get("ladder") or _ladder_text(res),
+                    "tiers_passed": [v["tier"] for v in (res or {}).get("verdicts", []) if v["passed"]],
+                    "strictest_passed": (res or {}).get("strictest_passed"),
+                    "target_met": bool((res or {}).get("target_met")), "goal_met": goal,
+                    "failed_tier": tier, "first_divergence": div,
+                    "first_divergence_text": briefmod.describe(div) if div else (summ or None),
+                    "ladder_error": (res or {}).get("error"), "ladder_s": (res or {}).get("wall_s"),
+                    "mfu_pct": mfu if res is not None else None, "commit": s["end_commit"],
+                    "wall_s": round(time.monotonic() - t0, 3), "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        if goal and s.get("rounds_to_pass") is None:
+            s["rounds_to_pass"] = k
+        s["target_met"] = goal
+        self.record(rec)
+        return goal
+
+    def baseline(self) -> bool:
+        k, t0 = 0, time.monotonic()
+        rdir = self.out / "rounds" / "0"
+        shutil.rmtree(rdir, ignore_errors=True)
+        rdir.mkdir(parents=True)
+        wsmod.revert_to(self.ws, self.state["end_commit"])
+        res = self.ladder(k, rdir)
+        rec = {"round": 0, "mode": "baseline", "agent_rc": None, "agent_timeout": False, "agent_s": 0.0,
+               "guard": "skipped", "guard_problems": []}
+        goal = self._finish_round(k, rec, res, True, t0)
+        self.state["baseline_done"] = True
+        self._save_state()
+        self.progress(rec)
+        return goal
+
+    def round(self, k: int) -> bool | None:
+        """One agent round. Returns True when the goal is reached, None when the run must stop (gates changed)."""
+        t0 = time.monotonic()
+        s = self.state
+        rdir = self.out / "rounds" / str(k)
+        shutil.rmtree(rdir, ignore_errors=True)
+        rdir.mkdir(parents=True)
+        wsmod.revert_to(self.ws, s["end_commit"])  # a resumed round starts from the last completed one
+        text = briefmod.render(self.brief_ctx(k))
+        brief = self.ws / "BRIEF.md"
+        brief.write_text(text)
+        (rdir / "BRIEF.md").write_text(text)
+        pre = wsmod.stage_tree(self.ws)
+        gates = self.gate_paths + [self.golden, self.spec_path]
+        before = wsmod.hash_paths(gates)
+        rec: dict = {"round": k, "mode": self.opts.mode}
+        rec.update(run_agent(self.agent, self.ws, brief, k, rdir))
+        # ---- guard
+        tampered = wsmod.hash_changes(before, wsmod.hash_paths(gates))
+        problems: list[str] = []
+        guard = "ok"
+        if tampered:
+            wsmod.revert_to(self.ws, pre)
+            rec.update({"guard": "rejected: gates changed", "guard_problems": tampered,
+                        "ladder": "not run (gates changed)"})
+            banner = "!" * 100
+            _say(f"{banner}\n[forge] GATES CHANGED during round {k}: the ladder can no longer be trusted. "
+                 f"The round is rejected and the run stops. Restore these files and rerun with "
+                 f"forge.overwrite=true:\n" + "\n".join(f"  {x}" for x in tampered) + f"\n{banner}")
+            s["status"] = "aborted: gates changed"
+            s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: rejected")
+            rec.update({"wall_s": round(time.monotonic() - t0, 3), "commit": s["end_commit"],
+                        "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            self.record(rec)
+            self.progress(rec)
+            return None
+        rows = wsmod.changed_paths(self.ws, pre)
+        outside = wsmod.outside_engine(rows)
+        links = wsmod.engine_symlinks(self.ws)
+        if outside or links:
+            guard, problems = "rejected: writes outside engine/", \
+                [f"write outside engine/: {x}" for x in outside] + [f"symlink in engine/: {x}" for x in links]
+        else:
+            try:
+                hits = scan_tree(self.ws / wsmod.ENGINE_DIR)
+            except SyntaxError as e:
+                hits = []
+                guard, problems = "syntax error", [f"{e.filename}:{e.lineno}: {e.msg}"]
+            if hits:
+                guard, problems = "rejected: forbidden import", [f"forbidden import {h}" for h in hits]
+        if guard.startswith("rejected"):
+            wsmod.revert_to(self.ws, pre)
+        rec.update({"guard": guard, "guard_problems": problems})
+        changed = guard == "ok" and any(p.startswith(wsmod.EDITABLE_PREFIX) for _, p in rows)
+        res = None
+        if guard == "syntax error":
+            rec["ladder"] = "not run (syntax error)"
+            res = {"ok": False, "error": f"SyntaxError: {problems[0]}", "verdicts": [], "target_met": False,
+                   "strictest_passed": None}
+            changed = True
+        elif guard != "ok":
+            rec["ladder"] = "not run (guard)"
+        elif changed or s.get("last_ladder") is None:
+            res = self.ladder(k, rdir)
+            changed = True
+        else:
+            rec["ladder"] = "skipped (no change)"
+        goal = self._finish_round(k, rec, res, changed, t0)
+        self.progress(rec)
+        return goal
+
+    def progress(self, r: dict) -> None:
+        n = self.opts.max_rounds
+        agent = "-" if r["mode"] == "baseline" else ("TIMEOUT " if r.get("agent_timeout") else "") + \
+            f"{r.get('agent_s', 0):.1f}s rc={r.get('agent_rc')}"
+        div = r.get("first_divergence_text")
+        mfu = f" | MFU {r['mfu_pct']:.3f}%" if r.get("mfu_pct") is not None else ""
+        _say(f"[forge] round {r['round']}/{n} | agent {agent} | guard {r.get('guard')} | ladder {r.get('ladder')} "
+             f"({_fmt_s(r.get('ladder_s'))}){mfu}" + (f" | {div}" if div and not r.get("target_met") else "")
+             + f" | {r['wall_s']:.1f}s")
+
+    # ------------------------------------------------------------ seal / summary
+    def seal(self) -> Path:
+        s, res = self.state, self.state["last_ladder"]
+        sd = self.out / "sealed"
+        tmp = self.out / ".sealed.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(self.ws / wsmod.ENGINE_DIR, tmp / wsmod.ENGINE_DIR,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        tier, surpassed = res.get("strictest_passed"), res.get("surpassed")
+        opt_file = self.ws / wsmod.ENGINE_DIR / "OPTIMISATIONS.json"
+        opts_list, opt_note = [], None
+        if opt_file.exists():
+            try:
+                opts_list = json.loads(opt_file.read_text())
+                if not isinstance(opts_list, list):
+                    raise ValueError("not a list")
+            except (ValueError, json.JSONDecodeError) as e:
+                opts_list, opt_note = [], f"OPTIMISATIONS.json unreadable ({e}); whole engine recorded"
+        optimisations = []
+        for o in opts_list:
+            declared = o.get("tier") if isinstance(o, dict) else None
+            holds = declared in TIER_ORDER and tier in TIER_ORDER and TIER_ORDER.index(tier) <= TIER_ORDER.index(declared)
+            optimisations.append({"name": o.get("name") if isinstance(o, dict) else str(o),
+                                  "description": o.get("description", "") if isinstance(o, dict) else "",
+                                  "declared_tier": declared, "passed_tier": tier, "holds_declared_tier": holds})
+        if not optimisations:
+            optimisations = [{"name": "engine", "description": "the whole engine", "passed_tier": tier}]
+        seal = {"scenario": self.scenario, "source_hash": wsmod.source_hash(tmp / wsmod.ENGINE_DIR),
+                "files": wsmod.file_hashes(tmp / wsmod.ENGINE_DIR), "tier": tier, "surpassed": surpassed,
+                "target_tier": self.opts.target_tier, "target_mfu_pct": self.opts.target_mfu_pct,
+                "optimisations": optimisations, "metrics": res.get("metrics") or {},
+                "device": res.get("device") or {"hardware": self.rc.hardware.name},
+                "versions": res.get("versions") or {},
+                "verdicts": [{k: v[k] for k in ("tier", "passed", "summary")} for v in res.get("verdicts", [])],
+                "gates": {"spec": self.spec, "tier_configs": wsmod.hash_paths([wsmod.REPO_ROOT / "conf" / "tier"])},
+                "forge": {"round": s["round"], "mode": self.opts.mode, "workspace_commit": s["end_commit"],
+                          "out_dir": str(self.out), "seed": s.get("seed")},
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if opt_note:
+            seal["note"] = opt_note
+        atomic_write_json(tmp / "seal.json", seal)
+        shutil.rmtree(sd, ignore_errors=True)
+        tmp.rename(sd)
+        wsmod.git(self.ws, "tag", "-f", "sealed", s["end_commit"])
+        s["status"], s["seal"] = "sealed", str(sd)
+        self._save_state()
+        _say(f"[forge] sealed at round {s['round']}: {tier} (source {seal['source_hash'][:12]}) -> {sd}")
+        if self.opts.install:
+            from forgetrain.forge.install import install
+
+            install(sd, Path(self.opts.install), force=True)
+        return sd
+
+    def summary(self) -> None:
+        rows = [("round", "mode", "agent", "guard", "ladder", "first divergence", "MFU %", "wall")]
+        for r in self.records:
+            agent = "-" if r["mode"] == "baseline" else ("timeout" if r.get("agent_timeout") else
+                                                         f"rc={r.get('agent_rc')} {r.get('agent_s', 0):.1f}s")
+            rows.append((str(r["round"]), r["mode"], agent, r.get("guard", "-"), r.get("ladder", "-"),
+                         (r.get("first_divergence_text") or "-")[:60],
+                         "-" if r.get("mfu_pct") is None else f"{r['mfu_pct']:.3f}", f"{r['wall_s']:.1f}s"))
+        widths = [max(len(x[i]) for x in rows) for i in range(len(rows[0]))]
+        lines = ["", f"=== forge summary: {self.scenario} ({self.opts.mode}) -> {self.state['status']} ==="]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append(f"log: {self.log_path}  workspace: {self.ws}" +
+                     (f"  seal: {self.state['seal']}" if self.state.get("seal") else ""))
+        _say("\n".join(lines))
+
+    def update_modes(self) -> None:
+        """``<out>/../modes.json``: this mode's outcome beside the other mode's, when both have run."""
+        path = self.out.parent / "modes.json"
+        try:
+            modes = json.loads(path.read_text()) if path.exists() else {}
+        except json.JSONDecodeError:
+            modes = {}
+        last = self.state.get("last_ladder") or {}
+        modes[self.opts.mode] = {"status": self.state["status"], "rounds_run": self.state["round"],
+                                 "rounds_to_pass": self.state.get("rounds_to_pass"),
+                                 "tier": last.get("strictest_passed"),
+                                 "final_mfu_pct": (last.get("metrics") or {}).get("mfu_pct"),
+                                 "wall_s": round(float(self.state.get("wall_s", 0.0)), 3),
+                                 "out_dir": str(self.out), "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        atomic_write_json(path, modes)
+        if len(modes) > 1:
+            lines = [f"{'mode':<10} {'status':<24} {'rounds to pass':>14} {'final MFU %':>11} {'wall s':>9}"]
+            for m, x in sorted(modes.items()):
+                mfu = "-" if x.get("final_mfu_pct") is None else f"{x['final_mfu_pct']:.3f}"
+                lines.append(f"{m:<10} {x['status']:<24} {str(x.get('rounds_to_pass') or '-'):>14} {mfu:>11} "
+                             f"{x['wall_s']:>9.1f}")
+            _say("modes side by side (" + str(path) + "):\n" + "\n".join(lines))
+
+    # ------------------------------------------------------------ drive
+    def run(self) -> dict:
+        self.prepare()
+        s = self.state
+        if s["status"] == "sealed":
+            _say(f"[forge] already sealed: {s.get('seal')}")
+            self.summary()
+            return s
+        if s["status"].startswith("aborted"):
+            raise ConfigError(f"this run was {s['status']}; restore the gates and start over with "
+                              f"forge.overwrite=true")
+        s["status"] = "running"
+        goal = False
+        if self.opts.baseline and not s.get("baseline_done") and s["round"] == 0:
+            goal = self.baseline()
+        k = s["round"]
+        while not goal and k < self.opts.max_rounds:
+            k += 1
+            r = self.round(k)
+            if r is None:
+                break
+            goal = r
+        if goal:
+            self.seal()
+        elif not s["status"].startswith("aborted"):
+            s["status"] = "exhausted"
+            self._save_state()
+        self.summary()
+        self.update_modes()
+        return s
+
+
+def forge(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, *, ladder_fn: LadderFn | None = None,
+          gate_paths: list[Path] | None = None) -> dict:
+    """Run the forge loop for ``rc.scenario`` and return the final state dict (``status``: sealed | exhausted |
+    aborted: gates changed; ``round``; ``last_ladder``; ``seal`` when sealed).
+
+    ``ladder_fn(spec_path, workspace, out_dir, timeout_s, log_path) -> result dict`` replaces the subprocess ladder
+    (tests inject stubs); ``gate_paths`` replaces the hashed gate files (default: the repository's equivalence
+    code, tier configs, references, verify/train/trace and the forge itself). Raises ConfigError on bad options.
+    """
+    _check(rc, opts, agent)
+    validate(dataclasses.replace(rc, train=dataclasses.replace(
+        rc.train, steps=opts.verify_steps, lr_warmup_steps=_warmup(rc, opts))))
+    return _Run(rc, opts, agent, ladder_fn, gate_paths).run()

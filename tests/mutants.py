@@ -1,0 +1,108 @@
+"""Deliberately wrong forged engines: each tier must reject them and name the right place.
+
+Each mutant is a subclass of the correct llama_tiny_cpu engine with one defect, paired with where the defect must
+be reported (the verdict's ``first_divergence``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scenarios.llama_tiny_cpu import model as M
+from scenarios.llama_tiny_cpu.engine import Engine as Good
+
+
+class ChangedEpsilon(Good):
+    """RMSNorm epsilon 1e-6 instead of the config's 1e-5."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        for mod in self.model.modules():
+            if isinstance(mod, M.RMSNorm):
+                mod.eps = mod.eps / 10
+
+
+class MissingScale(Good):
+    """Attention scores without the 1/sqrt(head_dim) scale."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        for blk in self.model.layers:
+            blk.attn.scale = 1.0
+
+
+class WrongClipping(Good):
+    """Clips each gradient tensor to clip_grad on its own instead of clipping by the global norm."""
+
+    def train_step(self, micro_batches):
+        orig = self.tcfg.clip_grad
+        self._pending_clip = orig
+        object.__setattr__(self.tcfg, "clip_grad", 0.0)  # disable the correct global clip inside super()
+        try:
+            return super().train_step(micro_batches)
+        finally:
+            object.__setattr__(self.tcfg, "clip_grad", orig)
+
+    def _adamw(self, named, lr):
+        for p in named.values():
+            coeff = self._pending_clip / (float(torch.norm(p.grad)) + 1.0e-6)
+            if coeff < 1.0:
+                p.grad.mul_(coeff)
+        super()._adamw(named, lr)
+
+
+class DroppedMicroBatch(Good):
+    """Skips the last micro-batch of every step (but still divides by the full count)."""
+
+    def train_step(self, micro_batches):
+        return super().train_step(micro_batches[:-1])
+
+
+class WrongRopeBase(Good):
+    """RoPE theta 500000 instead of the config's 10000."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        base = 500000.0
+        hd = self.mcfg.head_dim
+
+        def freqs(s, d, _base, dev):
+            return _orig(s, d, base, dev)
+
+        _orig = M.rope_freqs
+        self.model._freqs.clear()
+        self.model._rope_and_mask = self._patched_rope(freqs, hd)
+
+    def _patched_rope(self, freqs_fn, hd):
+        model = self.model
+
+        def rope_and_mask(s, device):
+            freqs = freqs_fn(s, hd, None, device)
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+            return freqs, mask
+
+        return rope_and_mask
+
+
+class WrongQKVPermutation(Good):
+    """Loads HF weights with a [Q; K; V] concatenation instead of Megatron's per-group interleave."""
+
+    def _from_hf(self, sd):
+        out = super()._from_hf(sd)
+        m = self.mcfg
+        for i in range(m.num_layers):
+            hp = f"model.layers.{i}.self_attn."
+            out[f"layers.{i}.attn.qkv"] = torch.cat([sd[hp + "q_proj.weight"], sd[hp + "k_proj.weight"],
+                                                    sd[hp + "v_proj.weight"]])
+        return out
+
+
+# mutant -> (kind of first divergence, module/tensor it must name or None, step)
+EXPECTED = {
+    ChangedEpsilon: ("module_fwd", "layers.0.input_norm", 1),
+    MissingScale: ("module_fwd", "layers.0.self_attention", 1),
+    WrongClipping: ("param", None, 2),  # step 1 runs at lr 0 (Megatron warmup), so params move at step 2
+    DroppedMicroBatch: ("per_token_loss", None, 1),
+    WrongRopeBase: ("module_fwd", "layers.0.self_attention", 1),
+    WrongQKVPermutation: ("module_fwd", "layers.0.self_attention", 1),
+}

@@ -1,0 +1,342 @@
+"""The forge loop, driven by scripted agents (tests/forge_agents/): wrong engine -> evidence in the next brief,
+fix -> pass and seal, guard rejections, a hung agent, lessons across runs, a crash and a resume.
+
+The tests marked "real ladder" run the actual gates (reference vs candidate, bitwise, llama_micro, 2 steps) in a
+subprocess; the others inject a stub ladder so that they exercise the loop alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from forgetrain.config import ModelConfig, RunConfig, ScenarioConfig, TrainConfig
+from forgetrain.errors import ConfigError
+from forgetrain.forge import AgentConfig, ForgeOptions
+from forgetrain.forge import workspace as wsmod
+from forgetrain.forge.install import install
+from forgetrain.forge.knowledge import KnowledgeBase
+from forgetrain.forge.loop import forge
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = ROOT / "tests" / "forge_agents" / "scripted_agent.py"
+SCENARIO = "llama_tiny_cpu"
+
+
+def micro_rc() -> RunConfig:
+    m = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "llama_micro.yaml"))
+    return RunConfig(scenario=ScenarioConfig(name=SCENARIO), model=ModelConfig(**m),
+                     train=TrainConfig(micro_batch_size=2, global_batch_size=4, threads=1))
+
+
+def agent_for(tmp: Path, rounds: dict, timeout_s: float = 120.0, name: str = "plan") -> AgentConfig:
+    plan = tmp / f"{name}.json"
+    plan.write_text(json.dumps({"rounds": {str(k): v for k, v in rounds.items()}}))
+    return AgentConfig(command=f"{sys.executable} {AGENT} {plan}", timeout_s=timeout_s)
+
+
+def options(tmp: Path, **kw) -> ForgeOptions:
+    base = dict(max_rounds=2, target_tier="bitwise", verify_steps=2, baseline=False, out_dir=str(tmp / "out"),
+                kb_path=str(tmp / "kb.jsonl"), ladder_timeout_s=300.0)
+    base.update(kw)
+    return ForgeOptions(**base)
+
+
+def fake_gates(tmp: Path) -> list[Path]:
+    """A private copy of the gate files to hash (the real repo may be edited by others while tests run)."""
+    d = tmp / "gates_hashed"
+    shutil.copytree(ROOT / "conf" / "tier", d, dirs_exist_ok=True)
+    return [d]
+
+
+class StubLadder:
+    """Fails bitwise (RMSNorm divergence) while the engine scales eps; passes otherwise. Counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, spec_path, ws, out, timeout_s, log_path):
+        self.calls += 1
+        wrong = "self.eps * 10.0" in (ws / "engine" / "model.py").read_text()
+        div = {"step": 1, "kind": "module_fwd", "module": "layers.0.input_norm", "ref": {"l2": 63.2},
+               "cand": {"l2": 57.2}}
+        v = {"tier": "bitwise", "passed": not wrong, "evidence": {},
+             "summary": "first divergence: step 1 module_fwd layers.0.input_norm" if wrong else "bit-identical",
+             "first_divergence": div if wrong else None}
+        return {"ok": True, "error": None, "verdicts": [v], "strictest_passed": None if wrong else "bitwise",
+                "surpassed": None, "target_met": not wrong, "metrics": {"mfu_pct": 0.25}, "wall_s": 0.01}
+
+
+def log_of(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "forge_log.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    """The session's shared data cache (the same one conftest's autouse fixture points at)."""
+    cache = os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGETRAIN_CACHE", cache)
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def run1(tmp_path_factory, data_cache):
+    """Real ladder: round 1 breaks the RMSNorm epsilon, round 2 restores it."""
+    tmp = tmp_path_factory.mktemp("forge_run1")
+    agent = agent_for(tmp, {1: ["eps_wrong"], 2: ["eps_fix"]})
+    t0 = time.time()
+    state = forge(micro_rc(), options(tmp, max_rounds=3), agent, gate_paths=fake_gates(tmp))
+    return {"tmp": tmp, "out": tmp / "out", "state": state, "wall_s": time.time() - t0}
+
+
+# ---------------------------------------------------------------------------------------------------- 1, 2 (real)
+
+def test_wrong_engine_failing_tier_and_module_in_next_brief(run1):
+    out = run1["out"]
+    log = log_of(out)
+    r1 = log[0]
+    assert r1["round"] == 1 and r1["guard"] == "ok" and r1["failed_tier"] == "bitwise"
+    assert r1["first_divergence"]["module"] == "layers.0.input_norm", r1["first_divergence"]
+    assert r1["first_divergence"]["step"] == 1
+    brief2 = (out / "rounds" / "2" / "BRIEF.md").read_text()
+    status = brief2.split("## Ladder status", 1)[1]
+    assert "bitwise: FAIL" in status and "layers.0.input_norm" in status and "module_fwd" in status
+    assert "step 1" in status
+    assert "MFU breakdown" in status
+
+
+def test_fix_passes_ladder_and_seals(run1):
+    out, state = run1["out"], run1["state"]
+    assert state["status"] == "sealed" and state["round"] == 2, state["status"]
+    log = log_of(out)
+    assert [r["round"] for r in log] == [1, 2]
+    assert log[1]["strictest_passed"] == "bitwise" and log[1]["goal_met"]
+    seal = json.loads((out / "sealed" / "seal.json").read_text())
+    assert seal["tier"] == "bitwise" and seal["scenario"] == SCENARIO
+    assert seal["source_hash"] == wsmod.source_hash(out / "sealed" / "engine")
+    assert seal["optimisations"][0]["passed_tier"] == "bitwise"
+    assert seal["versions"].get("torch") and seal["device"]["hardware"] == "cpu"
+    assert "self.eps)" in (out / "sealed" / "engine" / "model.py").read_text()
+    ws = out / "workspace"
+    assert "round 2: PASS bitwise" in wsmod.git(ws, "log", "--format=%s")
+    assert wsmod.git(ws, "rev-parse", "sealed") == wsmod.git(ws, "rev-parse", "HEAD")
+    # the failing round is kept as a snapshot ref, off the branch
+    assert "self.eps * 10.0" in wsmod.git(ws, "show", "refs/forge/rounds/1:engine/model.py")
+    lessons = KnowledgeBase(run1["tmp"] / "kb.jsonl").load()
+    assert len(lessons) == 1 and lessons[0]["tier"] == "bitwise"
+    assert any("self.eps" in ln for ln in lessons[0]["fixes"][0]["lines"])
+
+
+# ---------------------------------------------------------------------------------------------------- 6
+
+def test_lesson_from_run1_appears_in_run2_brief(run1, tmp_path):
+    kb = run1["tmp"] / "kb.jsonl"
+    ladder = StubLadder()
+    state = forge(micro_rc(), options(tmp_path, max_rounds=1, kb_path=str(kb)), agent_for(tmp_path, {}),
+                  ladder_fn=ladder, gate_paths=fake_gates(tmp_path))
+    assert state["status"] == "sealed"
+    brief = (tmp_path / "out" / "rounds" / "1" / "BRIEF.md").read_text()
+    lessons = brief.split("## Lessons from the knowledge base", 1)[1]
+    assert "layers.0.input_norm" in lessons and "self.eps" in lessons
+    # the same pitfall learned again merges into the lesson instead of adding one
+    before = KnowledgeBase(kb).load()
+    KnowledgeBase(kb).add(tier="bitwise", divergence={"kind": "module_fwd", "module": "layers.1.input_norm"},
+                          pitfall="again", fix={"files": ["engine/x.py (+1 -1)"]}, evidence={}, scenario="other")
+    after = KnowledgeBase(kb).load()
+    assert len(after) == len(before) and after[0]["count"] == 2 and "other" in after[0]["scenarios"]
+
+
+def test_sealed_engine_seeds_next_run_and_installs(run1, tmp_path):
+    sealed = run1["out"] / "sealed"
+    ladder = StubLadder()
+    state = forge(micro_rc(), options(tmp_path, max_rounds=1, seed_from=str(sealed), baseline=True),
+                  agent_for(tmp_path, {}), ladder_fn=ladder, gate_paths=fake_gates(tmp_path))
+    assert state["status"] == "sealed" and state["round"] == 0 and ladder.calls == 1  # baseline already passes
+    assert state["seed"]["seed_from"] == str(sealed / "engine")
+    dest = install(sealed, tmp_path / "scenarios" / "forged")
+    assert (dest / "engine.py").exists() and (dest / "SEAL.json").exists()
+    assert "from .model import" in (dest / "engine.py").read_text()
+    (sealed.parent / "tampered").mkdir()
+    shutil.copytree(sealed, sealed.parent / "tampered" / "s")
+    with open(sealed.parent / "tampered" / "s" / "engine" / "model.py", "a") as f:
+        f.write("# edited after sealing\n")
+    with pytest.raises(ConfigError, match="does not match its seal"):
+        install(sealed.parent / "tampered" / "s", tmp_path / "scenarios" / "x")
+    with pytest.raises(ConfigError, match="--force"):
+        (dest / "engine.py").write_text("# other engine\n")
+        install(sealed, dest)
+
+
+# ---------------------------------------------------------------------------------------------------- 3, 4
+
+def test_guard_rejects_reference_import(tmp_path):
+    ladder = StubLadder()
+    state = forge(micro_rc(), options(tmp_path), agent_for(tmp_path, {1: ["megatron_import"]}), ladder_fn=ladder,
+                  gate_paths=fake_gates(tmp_path))
+    log = log_of(tmp_path / "out")
+    assert log[0]["guard"] == "rejected: forbidden import"
+    assert any("megatron.core" in p for p in log[0]["guard_problems"])
+    assert log[0]["ladder"] == "not run (guard)"
+    ws = tmp_path / "out" / "workspace"
+    assert "_cheat" not in (ws / "engine" / "engine.py").read_text()  # reverted
+    brief2 = (tmp_path / "out" / "rounds" / "2" / "BRIEF.md").read_text()
+    assert "rejected" in brief2 and "megatron.core" in brief2
+    assert ladder.calls == 1 and state["status"] == "sealed"  # round 2 (no change) runs the first ladder
+
+
+def test_guard_rejects_writes_to_workspace_gates_and_references(tmp_path):
+    ladder = StubLadder()
+    agent = agent_for(tmp_path, {1: ["write_gates"], 2: ["engine_comment", "write_references"]})
+    state = forge(micro_rc(), options(tmp_path, max_rounds=2), agent, ladder_fn=ladder,
+                  gate_paths=fake_gates(tmp_path))
+    log = log_of(tmp_path / "out")
+    assert [r["guard"] for r in log] == ["rejected: writes outside engine/"] * 2
+    assert any("gates/tier/bitwise.yaml" in p for p in log[0]["guard_problems"])
+    assert any("references/megatron/helper.py" in p for p in log[1]["guard_problems"])
+    ws = tmp_path / "out" / "workspace"
+    assert (ws / "gates" / "tier" / "bitwise.yaml").read_text() == (ROOT / "conf" / "tier" / "bitwise.yaml").read_text()
+    assert not (ws / "references" / "megatron" / "helper.py").exists()
+    assert "harmless edit" not in (ws / "engine" / "engine.py").read_text()  # the whole round is reverted
+    assert ladder.calls == 0 and state["status"] == "exhausted"
+
+
+def test_gate_tampering_outside_workspace_aborts_loudly(tmp_path, capfd):
+    gates = fake_gates(tmp_path)
+    target = gates[0] / "bitwise.yaml"
+    agent = agent_for(tmp_path, {1: [{"op": "append", "path": str(target), "text": "\nrequire_digests: false\n"}]})
+    state = forge(micro_rc(), options(tmp_path), agent, ladder_fn=StubLadder(), gate_paths=gates)
+    assert state["status"] == "aborted: gates changed"
+    log = log_of(tmp_path / "out")
+    assert len(log) == 1 and log[0]["guard"] == "rejected: gates changed"
+    assert any(str(target) in p for p in log[0]["guard_problems"])
+    assert "GATES CHANGED" in capfd.readouterr().err
+    with pytest.raises(ConfigError, match="gates changed"):
+        forge(micro_rc(), options(tmp_path, resume=True), agent, ladder_fn=StubLadder(), gate_paths=gates)
+
+
+# ---------------------------------------------------------------------------------------------------- 5
+
+def test_hung_agent_is_killed_and_the_loop_goes_on(tmp_path):
+    pidfile = tmp_path / "agent.pid"
+    agent = agent_for(tmp_path, {1: ["eps_wrong", {"op": "pidfile", "path": str(pidfile)},
+                                     {"op": "sleep", "seconds": 300}], 2: ["eps_fix"]}, timeout_s=3.0)
+    ladder = StubLadder()
+    t0 = time.time()
+    state = forge(micro_rc(), options(tmp_path), agent, ladder_fn=ladder, gate_paths=fake_gates(tmp_path))
+    assert time.time() - t0 < 60
+    log = log_of(tmp_path / "out")
+    assert log[0]["agent_timeout"] is True and log[0]["agent_rc"] is None and log[0]["agent_s"] < 30
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert log[0]["failed_tier"] == "bitwise"  # the partial edits of the killed agent were still judged
+    assert log[1]["round"] == 2 and log[1]["agent_timeout"] is False and ladder.calls == 2
+    assert "time limit" in (tmp_path / "out" / "rounds" / "2" / "BRIEF.md").read_text()
+    assert state["status"] == "sealed"
+
+
+# ---------------------------------------------------------------------------------------------------- 7 (real, CLI)
+
+def _cli(tmp: Path, plan: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "forgetrain.forge", f"scenario={SCENARIO}", "model=llama_micro",
+           "train.micro_batch_size=2", "train.global_batch_size=4", "train.threads=1",
+           f"agent.command={sys.executable} {AGENT} {plan}", "agent.timeout_s=120", "forge.max_rounds=3",
+           "forge.baseline=false", "forge.verify_steps=2", f"forge.out_dir={tmp / 'out'}",
+           f"forge.kb_path={tmp / 'kb.jsonl'}", f"hydra.run.dir={tmp / 'hydra'}", *extra]
+    return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400)
+
+
+def test_crash_mid_run_then_resume_continues_from_round_2(tmp_path, data_cache):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"rounds": {"1": ["eps_wrong"], "2": [{"op": "kill_harness"}, "eps_fix"]}}))
+    p = _cli(tmp_path, plan)
+    assert p.returncode == -9, p.stderr[-2000:]  # killed by the agent in the middle of round 2
+    out = tmp_path / "out"
+    state = json.loads((out / "workspace" / "forge_state.json").read_text())
+    assert state["round"] == 1 and state["status"] == "running"
+    assert [r["round"] for r in log_of(out)] == [1]
+    p = _cli(tmp_path, plan, "forge.resume=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming llama_tiny_cpu (full) after round 1" in p.stderr
+    assert "round 2/3" in p.stderr and "round 1/3" not in p.stderr
+    log = log_of(out)
+    assert [r["round"] for r in log] == [1, 2] and log[1]["strictest_passed"] == "bitwise"
+    assert "layers.0.input_norm" in (out / "rounds" / "2" / "BRIEF.md").read_text()
+    assert json.loads((out / "workspace" / "forge_state.json").read_text())["status"] == "sealed"
+    assert "=== forge summary" in p.stderr
+    # the run is sealed: resuming again does nothing
+    p = _cli(tmp_path, plan, "forge.resume=true")
+    assert p.returncode == 0 and "already sealed" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- modes, config
+
+def test_goal_only_brief_and_modes_side_by_side(tmp_path):
+    (tmp_path / "kb.jsonl").write_text(json.dumps({"key": "k", "tier": "bitwise", "pitfall": "SECRET LESSON",
+                                                   "fixes": [], "scenarios": [SCENARIO]}) + "\n")
+    root = tmp_path / "forge" / SCENARIO
+    for mode, rounds in (("full", {1: ["eps_wrong"], 2: ["eps_fix"]}), ("goal_only", {1: ["eps_wrong"],
+                                                                                        2: ["eps_fix"]})):
+        state = forge(micro_rc(), options(tmp_path, mode=mode, out_dir=str(root / mode)),
+                      agent_for(tmp_path, rounds, name=mode), ladder_fn=StubLadder(),
+                      gate_paths=fake_gates(tmp_path))
+        assert state["status"] == "sealed" and state["rounds_to_pass"] == 2
+    goal_only = (root / "goal_only" / "rounds" / "2" / "BRIEF.md").read_text()
+    full = (root / "full" / "rounds" / "2" / "BRIEF.md").read_text()
+    assert "## Goal" in goal_only and "## Final gate command" in goal_only and "forge._ladder" in goal_only
+    for absent in ("Ladder status", "layers.0.input_norm", "SECRET LESSON", "Workflow"):
+        assert absent not in goal_only
+    assert "layers.0.input_norm" in full and "SECRET LESSON" in full
+    modes = json.loads((root / "modes.json").read_text())
+    assert set(modes) == {"full", "goal_only"}
+    assert modes["full"]["rounds_to_pass"] == 2 and modes["goal_only"]["final_mfu_pct"] == 0.25
+
+
+def test_existing_run_needs_resume_or_overwrite_and_options_are_checked(tmp_path):
+    agent = agent_for(tmp_path, {})
+    forge(micro_rc(), options(tmp_path, max_rounds=1), agent, ladder_fn=StubLadder(), gate_paths=fake_gates(tmp_path))
+    with pytest.raises(ConfigError, match="forge.resume=true"):
+        forge(micro_rc(), options(tmp_path, max_rounds=1), agent, ladder_fn=StubLadder())
+    with pytest.raises(ConfigError, match="gate config differs"):
+        forge(micro_rc(), options(tmp_path, max_rounds=1, resume=True, verify_steps=3), agent, ladder_fn=StubLadder())
+    st = forge(micro_rc(), options(tmp_path, max_rounds=1, overwrite=True), agent, ladder_fn=StubLadder(),
+               gate_paths=fake_gates(tmp_path))
+    assert st["status"] == "sealed"
+    with pytest.raises(ConfigError, match="agent.command"):
+        forge(micro_rc(), options(tmp_path / "b"), AgentConfig(command=None))
+    with pytest.raises(ConfigError, match="target_tier"):
+        forge(micro_rc(), options(tmp_path / "c", target_tier="fastest"), agent)
+    with pytest.raises(ConfigError, match="forge.mode"):
+        forge(micro_rc(), options(tmp_path / "d", mode="lazy"), agent)
+
+
+def test_cli_one_line_error_without_agent_command(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", f"forge.out_dir={tmp_path / 'o'}",
+                        f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("error: set agent.command"), p.stderr[-1500:]
+
+
+def test_seed_rewrites_scenario_imports_to_relative():
+    src = ("import torch\nfrom scenarios.llama_tiny_cpu.model import Llama\n"
+           "import scenarios.llama_tiny_cpu.model as mm\nfrom scenarios.other.model import X\n")
+    out = wsmod.rewrite_scenario_imports(src, "llama_tiny_cpu")
+    assert "from .model import Llama" in out and "from . import model as mm" in out
+    assert "from scenarios.other.model import X" in out
+
+
+def test_agent_command_placeholders(tmp_path):
+    from forgetrain.forge.loop import format_agent_command
+
+    cmd = format_agent_command('claude -p "$(cat {brief})" --cwd {workspace} # {round}', tmp_path / "B.md",
+                               tmp_path / "ws dir", 3)
+    assert f'"$(cat {tmp_path / "B.md"})"' in cmd and f"'{tmp_path / 'ws dir'}'" in cmd and cmd.endswith("# 3")
