@@ -87,6 +87,16 @@ def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, see
                  export_init=True)
 
 
+def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path) -> Path:
+    """The reference in fp32 from ``init``: the oracle that reduced-precision tolerance is judged against."""
+    from safetensors.torch import load_file
+
+    from forgetrain.train import train
+
+    return train(_run_cfg(cfg, out, steps=steps, digests=False), kind="references", engine_name=vcfg.reference,
+                 init_hf=load_file(str(init)), progress=False)
+
+
 def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path | None,
                   engine_cls=None, seed: int | None = None) -> Path:
     """Run the forged engine from ``init`` (HF safetensors) for ``steps``, optionally stopping and resuming."""
@@ -132,8 +142,16 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             if vcfg.regenerate:
                 _store_golden(ref, gdir)
         cand = run_candidate(cfg, vcfg, out / "candidate", steps, ref / "init.safetensors", engine_cls)
-        fn = eq.bitwise if tier_name == "bitwise" else eq.tolerance
-        verdicts = [fn(ref / "trace", cand / "trace", tier_cfg)]
+        if tier_name == "bitwise":
+            verdicts = [eq.bitwise(ref / "trace", cand / "trace", tier_cfg)]
+        else:
+            oracle = None
+            if cfg.train.precision != "fp32":  # fp32 oracle run of the reference, same init and batches
+                fp32 = copy.deepcopy(cfg)
+                fp32.train = dataclasses.replace(fp32.train, precision="fp32")
+                oracle = run_candidate_ref_oracle(fp32, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
+            verdicts = [eq.tolerance(ref / "trace", cand / "trace", tier_cfg,
+                                     oracle_dir=oracle / "trace" if oracle else None)]
         eq.write_report(verdicts, out, [ref / "trace"], cand / "trace")
         return verdicts
     # loss_curve / surpass

@@ -340,3 +340,61 @@ def test_agent_command_placeholders(tmp_path):
     cmd = format_agent_command('claude -p "$(cat {brief})" --cwd {workspace} # {round}', tmp_path / "B.md",
                                tmp_path / "ws dir", 3)
     assert f'"$(cat {tmp_path / "B.md"})"' in cmd and f"'{tmp_path / 'ws dir'}'" in cmd and cmd.endswith("# 3")
+
+
+# ---------------------------------------------------------------------------------------------------- broken candidates
+
+def test_crashing_candidate_and_syntax_error_do_not_stop_the_loop(tmp_path, data_cache):
+    """Real ladder subprocess: a candidate that raises at import is an error verdict fed to the next brief; a
+    syntax error is caught by the guard without running the ladder."""
+    agent = agent_for(tmp_path, {1: [{"op": "append", "path": "engine/engine.py",
+                                      "text": "\nraise RuntimeError('boom from the candidate')\n"}],
+                                 2: [{"op": "append", "path": "engine/model.py", "text": "\ndef broken(:\n"}]})
+    state = forge(micro_rc(), options(tmp_path, max_rounds=3), agent, gate_paths=fake_gates(tmp_path))
+    log = log_of(tmp_path / "out")
+    assert log[0]["ladder"] == "error" and "boom from the candidate" in log[0]["ladder_error"]
+    assert "boom from the candidate" in (tmp_path / "out" / "rounds" / "2" / "BRIEF.md").read_text()
+    assert log[1]["guard"] == "syntax error" and log[1]["ladder"] == "not run (syntax error)"
+    assert "SyntaxError" in (tmp_path / "out" / "rounds" / "3" / "BRIEF.md").read_text()
+    assert log[2]["guard"] == "syntax error" and state["status"] == "exhausted"  # still broken in round 3
+
+
+def test_hung_ladder_is_killed(tmp_path, monkeypatch):
+    from forgetrain.forge.loop import subprocess_ladder
+
+    fake = tmp_path / "slow_python"
+    fake.write_text("#!/bin/sh\nsleep 300\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("FORGE_PYTHON", str(fake))
+    (tmp_path / "r").mkdir()
+    t0 = time.time()
+    res = subprocess_ladder(tmp_path / "spec.json", tmp_path, tmp_path / "r" / "ladder", 1.0, tmp_path / "r" / "l.log")
+    assert time.time() - t0 < 15
+    assert res["ok"] is False and res["timeout"] is True and "timed out" in res["error"]
+
+
+def test_ladder_tier_plan():
+    from forgetrain.forge._ladder import target_met, tiers_to_try
+
+    assert tiers_to_try("bitwise", "bitwise") == ["bitwise"]
+    assert tiers_to_try("bitwise", "surpass") == ["bitwise", "tolerance", "loss_curve", "surpass"]
+    assert tiers_to_try("tolerance", "loss_curve") == ["tolerance", "loss_curve"]
+    with pytest.raises(ValueError):
+        tiers_to_try("loss_curve", "bitwise")
+    assert target_met("tolerance", "bitwise", None) and not target_met("bitwise", "tolerance", None)
+    assert not target_met("surpass", "bitwise", False) and target_met("surpass", "loss_curve", True)
+
+
+def test_agent_commits_are_undone_and_still_judged(tmp_path):
+    script = tmp_path / "committer.sh"
+    script.write_text("#!/bin/sh\nset -e\necho '# x' >> engine/engine.py\ngit checkout -q -b agent-branch\n"
+                      "git -c user.name=a -c user.email=a@b commit -qam 'agent commit'\n")
+    script.chmod(0o755)
+    ladder = StubLadder()
+    forge(micro_rc(), options(tmp_path, max_rounds=1), AgentConfig(command=str(script), timeout_s=60),
+          ladder_fn=ladder, gate_paths=fake_gates(tmp_path))
+    ws = tmp_path / "out" / "workspace"
+    log = log_of(tmp_path / "out")
+    assert "note" in log[0] and log[0]["guard"] == "ok" and ladder.calls == 1
+    assert wsmod.git(ws, "symbolic-ref", "HEAD") == "refs/heads/main"
+    assert "agent commit" not in wsmod.git(ws, "log", "--format=%s")

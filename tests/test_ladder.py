@@ -86,3 +86,41 @@ def test_tolerance_accepts_a_reordered_reduction(ref, tmp_path):
     assert not eq.bitwise(ref / "trace", cand, eq.load_tier("bitwise")).passed  # the change is real
     v = eq.tolerance(ref / "trace", cand, eq.load_tier("tolerance"))
     assert v.passed, v.summary
+
+
+@pytest.fixture(scope="module")
+def ref_bf16(tmp_path_factory):
+    """bf16 Megatron reference plus its fp32 oracle run from the same (bf16-representable) weights."""
+    from safetensors.torch import load_file
+
+    from forgetrain.verify import run_candidate_ref_oracle
+
+    out = tmp_path_factory.mktemp("ref_bf16")
+    ref = run_reference(_cfg(precision="bf16"), VerifyConfig(steps=8, digests=False), out / "ref", 8)
+    oracle = run_candidate_ref_oracle(_cfg(), VerifyConfig(), out / "oracle", 8, ref / "init.safetensors")
+    del load_file
+    return ref, oracle
+
+
+def _bf16_cand(ref, tmp_path, engine_cls=None):
+    return run_candidate(_cfg(precision="bf16"), VerifyConfig(steps=8, digests=False), tmp_path / "cand", 8,
+                         ref / "init.safetensors", engine_cls)
+
+
+def test_bf16_autocast_passes_tolerance(ref_bf16, tmp_path):
+    ref, oracle = ref_bf16
+    v = eq.tolerance(ref / "trace", _bf16_cand(ref, tmp_path) / "trace", eq.load_tier("tolerance"),
+                     oracle_dir=oracle / "trace")
+    assert v.passed, v.summary
+
+
+# A 10x smaller RMSNorm epsilon moves the loss by ~2e-4 here: invisible at bf16 thresholds (fp32 tolerance and
+# bitwise catch it above), so the bf16 rejection tests use defects that bf16 noise cannot hide.
+@pytest.mark.parametrize("mutant", ["MissingScale", "DroppedMicroBatch", "WrongQKVPermutation"])
+def test_bf16_tolerance_with_oracle_still_rejects_mutants(mutant, ref_bf16, tmp_path):
+    import tests.mutants as M
+
+    ref, oracle = ref_bf16
+    v = eq.tolerance(ref / "trace", _bf16_cand(ref, tmp_path, getattr(M, mutant)) / "trace",
+                     eq.load_tier("tolerance"), oracle_dir=oracle / "trace")
+    assert not v.passed, v.summary

@@ -28,7 +28,8 @@ class AgentConfig:
     """The coding agent: any CLI that takes a prompt and edits files in its working directory."""
 
     # Shell command run in the workspace each round. ``{brief}`` -> path of BRIEF.md, ``{workspace}`` -> the
-    # workspace dir, ``{round}`` -> the round number. The brief is also on stdin and in $FORGE_BRIEF.
+    # workspace dir, ``{round}`` -> the round number; $FORGE_BRIEF holds the brief's path. stdin is empty: an
+    # agent that reads its prompt from stdin gets it with ``< {brief}``.
     command: Optional[str] = None
     timeout_s: float = 1800.0  # wall-clock limit per round; the agent's process group is killed past it
 

@@ -61,7 +61,7 @@ def _constraints(ctx: dict) -> list[str]:
     return [
         "- Edit only files under `engine/` (add files there if you need them). Everything else in this "
         "directory is read-only: `BRIEF.md`, `gates/`, `references/`, `.gitignore`. A round that changes "
-        "anything outside `engine/` is rejected and reverted.",
+        "anything outside `engine/` is rejected and reverted. Put scratch files under `.gate/` (git-ignored).",
         "- Do not import megatron, deepspeed, transformer_engine or apex anywhere in `engine/` (also not through "
         "importlib or __import__). An AST scan rejects and reverts the round.",
         "- Do not touch the harness or the gates outside this directory (the ForgeTrain repository's "
@@ -183,7 +183,7 @@ def render(ctx: dict) -> str:
                                  "## Final gate command", "", *_gate(ctx), ""])
     lines = head + ["## Goal", "", *_goal(ctx), "", "## Constraints", "", *_constraints(ctx), "",
                     "## Commands you may run", "", *_gate(ctx), "",
-                    "Also: read anything in this directory; run python/pytest on your own scratch files.", "",
+                    "Also: read anything in this directory; run python/pytest on your own scratch files under `.gate/`.", "",
                     "## Ladder status", "", *_history(ctx.get("history") or []), ""]
     last = ctx.get("last_ladder")
     if last:

@@ -102,9 +102,9 @@ def run_agent(agent: AgentConfig, ws: Path, brief: Path, round_k: int, rdir: Pat
     env = dict(os.environ, FORGE_BRIEF=str(brief), FORGE_WORKSPACE=str(ws), FORGE_ROUND=str(round_k),
                FORGE_HARNESS_PID=str(os.getpid()))
     (rdir / "agent.command").write_text(cmd + "\n")
-    with open(brief, "rb") as si, open(rdir / "agent.stdout", "wb") as so, open(rdir / "agent.stderr", "wb") as se:
-        rc, timed_out, secs = _run_group(cmd, shell=True, cwd=ws, env=env, timeout_s=agent.timeout_s, stdin=si,
-                                         stdout=so, stderr=se)
+    with open(rdir / "agent.stdout", "wb") as so, open(rdir / "agent.stderr", "wb") as se:
+        rc, timed_out, secs = _run_group(cmd, shell=True, cwd=ws, env=env, timeout_s=agent.timeout_s,
+                                         stdin=subprocess.DEVNULL, stdout=so, stderr=se)
     return {"agent_rc": rc, "agent_timeout": timed_out, "agent_s": round(secs, 3)}
 
 
@@ -258,20 +258,20 @@ class _Run:
             return
         if self.opts.resume:
             _say(f"[forge] nothing to resume at {self.out}; starting a new run")
-        for name in ("workspace", "rounds", "sealed", "golden", "agent_gate"):
+        for name in ("workspace", "rounds", "sealed", "golden"):
             shutil.rmtree(self.out / name, ignore_errors=True)
         for name in ("forge_log.jsonl", "ladder_spec.json"):
             (self.out / name).unlink(missing_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.spec_path, self.spec)
-        agent_spec = dict(self.spec, golden_root=str(self.out / "agent_gate" / "golden"))
+        agent_spec = dict(self.spec, golden_root=str(self.ws / ".gate" / "golden"))
         tmp_spec = self.out / ".agent_spec.json"
         atomic_write_json(tmp_spec, agent_spec)
         info = wsmod.seed(self.ws, self.scenario, self.opts.seed_from, self.opts.reference, tmp_spec)
         tmp_spec.unlink()
         self.state = {"version": STATE_VERSION, "scenario": self.scenario, "mode": self.opts.mode, "round": 0,
                       "status": "running", "seed": info, "end_commit": info["commit"], "last_ladder": None,
-                      "baseline_done": False, "failures": {}, "lessons": [], "target_met": False,
+                      "baseline_done": False, "failures": {}, "target_met": False,
                       "rounds_to_pass": None, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": 0.0}
         self._save_state()
         _say(f"[forge] new run: {self.scenario} ({self.opts.mode}) -> {self.out}; workspace seeded from "
@@ -292,7 +292,7 @@ class _Run:
     def brief_ctx(self, k: int) -> dict:
         s, o = self.state, self.opts
         gate_cmd = (f"{shlex.quote(wsmod.python())} -m forgetrain.forge._ladder --spec gates/ladder_spec.json "
-                    f"--workspace . --out {shlex.quote(str(self.out / 'agent_gate' / 'run'))}")
+                    "--workspace . --out .gate/run")
         ctx = {"scenario": self.scenario, "description": self.rc.scenario.description, "mode": o.mode, "round": k,
                "max_rounds": o.max_rounds, "target_tier": o.target_tier, "target_mfu_pct": o.target_mfu_pct,
                "tiers": self.spec["tiers"], "reference": o.reference, "gate_command": gate_cmd,
@@ -411,7 +411,10 @@ class _Run:
         gates = self.gate_paths + [self.golden, self.spec_path]
         before = wsmod.hash_paths(gates)
         rec: dict = {"round": k, "mode": self.opts.mode}
+        head_ref, head = wsmod.git(self.ws, "symbolic-ref", "HEAD"), wsmod.git(self.ws, "rev-parse", "HEAD")
         rec.update(run_agent(self.agent, self.ws, brief, k, rdir))
+        if wsmod.restore_head(self.ws, head_ref, head):  # the branch is the harness's: agent commits are undone
+            rec["note"] = "the agent moved the workspace's git HEAD; restored (its edits are judged as usual)"
         # ---- guard
         tampered = wsmod.hash_changes(before, wsmod.hash_paths(gates))
         problems: list[str] = []
@@ -442,7 +445,8 @@ class _Run:
                 hits = scan_tree(self.ws / wsmod.ENGINE_DIR)
             except SyntaxError as e:
                 hits = []
-                guard, problems = "syntax error", [f"{e.filename}:{e.lineno}: {e.msg}"]
+                where = os.path.relpath(e.filename, self.ws) if e.filename else "?"
+                guard, problems = "syntax error", [f"{where}:{e.lineno}: {e.msg}"]
             if hits:
                 guard, problems = "rejected: forbidden import", [f"forbidden import {h}" for h in hits]
         if guard.startswith("rejected"):

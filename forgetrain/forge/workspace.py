@@ -8,6 +8,7 @@ Layout::
       gates/                read-only copies: conf/tier/*.yaml, forgetrain/equivalence/*.py, ladder_spec.json
       references/<ref>/     read-only copy of the reference engine's source, to read (never to import)
       forge_state.json      the loop's state (git-ignored; written atomically by the harness)
+      .gate/                scratch of the agent's own gate runs (git-ignored; the harness never reads it)
 
 Imports of ``scenarios.<NAME>.x`` in the template are rewritten to relative imports (``from .x import ...``) so
 the workspace engine is self-contained; the ladder loads ``engine/`` as a package under a private name
@@ -35,7 +36,9 @@ from forgetrain.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = "engine"
 EDITABLE_PREFIX = ENGINE_DIR + "/"
-GITIGNORE = "__pycache__/\n*.pyc\n/forge_state.json\n"
+# Ignored (never judged, never read by the harness): caches, the harness's state, the agent's scratch (.gate/) and
+# the per-project settings dirs that agent CLIs may create.
+GITIGNORE = "__pycache__/\n*.pyc\n/forge_state.json\n/.gate/\n/.claude/\n/.codex/\n"
 _GIT = ["git", "-c", "user.name=forgetrain-forge", "-c", "user.email=forge@localhost", "-c", "commit.gpgsign=false",
         "-c", "core.autocrlf=false", "-c", "init.defaultBranch=main"]
 _SKIP = ("__pycache__", ".pytest_cache")
@@ -161,6 +164,19 @@ def commit_branch(ws: Path, message: str) -> str:
     stage_tree(ws)
     git(ws, "commit", "-q", "--allow-empty", "-m", message)
     return git(ws, "rev-parse", "HEAD")
+
+
+def restore_head(ws: Path, head_ref: str, head: str) -> bool:
+    """Put HEAD back on ``head_ref`` at ``head`` (working tree untouched); True when it had moved."""
+    if not (ws / ".git").is_dir():
+        raise RuntimeError(f"the workspace's git repo {ws / '.git'} was deleted; the run cannot continue")
+    cur_ref = git(ws, "symbolic-ref", "-q", "HEAD", check=False)
+    cur = git(ws, "rev-parse", "-q", "--verify", "HEAD", check=False)
+    if cur_ref == head_ref and cur == head:
+        return False
+    git(ws, "update-ref", head_ref, head)
+    git(ws, "symbolic-ref", "HEAD", head_ref)
+    return True
 
 
 def changed_paths(ws: Path, base: str) -> list[tuple[str, str]]:

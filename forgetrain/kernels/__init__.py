@@ -1,1 +1,75 @@
-"""placeholder"""
+"""The kernel forge: fused Triton kernels, each beside the torch op it replaces and an fp64 oracle.
+
+Functional APIs (stable; forged engines switch them per op, e.g. ``kernels.rmsnorm=triton|torch``):
+
+* ``rmsnorm_residual(x [..., H], residual [..., H] | None, weight [H], eps) -> (y [..., H], s [..., H])``
+  -- ``s = x + residual``, ``y = rms_norm(s) * weight``; bf16/fp16/fp32 (:mod:`.rmsnorm`).
+* ``swiglu(gate [..., F], up [..., F]) -> [..., F]`` -- ``silu(gate) * up`` (:mod:`.swiglu`).
+* ``apply_rope(t [B, S, H, D], cos [S, D] fp32, sin [S, D] fp32) -> [B, S, H, D]`` -- rotate-half RoPE;
+  ``rope_tables(seq_len, head_dim, base)`` builds the tables (:mod:`.rope`).
+* ``fused_linear_cross_entropy(hidden [N, h], weight [V, h], labels [N] int64, chunk_size=2048,
+  ignore_index=-100) -> loss [N] fp32`` -- LM head + per-token CE without [N, V] logits (:mod:`.cross_entropy`).
+* ``adamw_step(params, grads, exp_avgs, exp_avg_sqs, main_params=None, *, step, lr, beta1, beta2, eps, wd)``
+  -- multi-tensor AdamW, fp32 main weights copied back to the model dtype (:mod:`.adamw`).
+
+Every kernel has a :class:`~forgetrain.kernels.spec.KernelSpec` (``get_spec(name)``, ``all_specs()``) that
+:func:`~forgetrain.kernels.validate.validate`, :func:`~forgetrain.kernels.bench.bench` and
+:func:`~forgetrain.kernels.seal.seal` consume; ``python -m forgetrain.kernels list|validate|bench|seal``.
+
+Importing this package does not import Triton; the first use of a kernel or spec does. Without a CUDA device,
+Triton runs in its CPU interpreter (``TRITON_INTERPRET=1`` is set before Triton is imported, see ``_triton``).
+Note: the package attribute ``swiglu`` is the function; reach kernel *modules* with ``importlib`` or
+``module_of(name)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+KERNELS = ("rmsnorm", "swiglu", "rope", "cross_entropy", "adamw")
+_API = {
+    "rmsnorm_residual": "rmsnorm",
+    "swiglu": "swiglu",
+    "apply_rope": "rope",
+    "rope_tables": "rope",
+    "fused_linear_cross_entropy": "cross_entropy",
+    "adamw_step": "adamw",
+}
+__all__ = ["KERNELS", "get_spec", "all_specs", "module_of", *_API]
+
+
+def _pin(modname: str) -> None:
+    """Importing submodule ``swiglu`` rebinds the package attribute to the module; put the function back."""
+    mod = importlib.import_module(f"{__name__}.{modname}")
+    for api, m in _API.items():
+        if m == modname:
+            globals()[api] = getattr(mod, api)
+
+
+def module_of(name: str):
+    """The module of kernel ``name``. Raises ForgeTrainError for an unknown name."""
+    if name not in KERNELS:
+        from forgetrain.errors import ForgeTrainError
+        raise ForgeTrainError(f"unknown kernel '{name}'; known: {', '.join(KERNELS)}")
+    mod = importlib.import_module(f"{__name__}.{name}")
+    _pin(name)
+    return mod
+
+
+def get_spec(name: str):
+    """The KernelSpec of kernel ``name``. Raises ForgeTrainError for an unknown name."""
+    return module_of(name).SPEC
+
+
+def all_specs() -> dict:
+    """``{name: KernelSpec}`` for every kernel, in a fixed order."""
+    return {n: get_spec(n) for n in KERNELS}
+
+
+def __getattr__(name: str):
+    if name in _API:
+        module_of(_API[name])
+        return globals()[name]
+    if name == "SPECS":
+        return all_specs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -99,7 +99,7 @@ class Engine:
             elif "LOCAL_RANK" in os.environ:  # torchrun: one GPU per local rank
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             if t.deterministic:
-                # Megatron-LM's --deterministic-mode requirements (see docs/megatron-alignment notes).
+                # Megatron-LM's --deterministic-mode requirements (README.md, "Model configuration").
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
                 os.environ.setdefault("NCCL_ALGO", "Ring")
                 torch.use_deterministic_algorithms(True)

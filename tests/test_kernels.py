@@ -1,0 +1,393 @@
+"""The kernel forge on CPU: every kernel validated through Triton's interpreter, and planted bugs rejected.
+
+Triton must run in its CPU interpreter here, so TRITON_INTERPRET is set before anything imports triton.
+Shapes are the specs' "small" grids; the whole file runs in well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernel modules import it lazily)
+
+import dataclasses  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from forgetrain import kernels  # noqa: E402
+from forgetrain.kernels import bench as bench_mod  # noqa: E402
+from forgetrain.kernels import seal as seal_mod  # noqa: E402
+from forgetrain.kernels.spec import KernelSpec  # noqa: E402
+from forgetrain.kernels.validate import (KernelValidationError, format_report, load_tolerances,  # noqa: E402
+                                         validate)
+
+ROOT = Path(__file__).resolve().parents[1]
+rmsnorm_m = kernels.module_of("rmsnorm")
+swiglu_m = kernels.module_of("swiglu")
+rope_m = kernels.module_of("rope")
+ce_m = kernels.module_of("cross_entropy")
+adamw_m = kernels.module_of("adamw")
+
+
+# ----------------------------------------------------------------------------------------------- plumbing
+
+def test_interpreter_bf16_emulation_matches_torch():
+    from forgetrain.kernels import _interp
+    _interp.self_check()  # raises on any mismatch
+    x = torch.randn(10000) * torch.exp(torch.randn(10000) * 5)
+    got = torch.from_numpy(_interp.f32_to_bf16_bits(x.numpy()).view("int16"))
+    assert torch.equal(got, x.bfloat16().view(torch.int16))
+
+
+def test_specs_cover_the_contract():
+    specs = kernels.all_specs()
+    assert list(specs) == ["rmsnorm", "swiglu", "rope", "cross_entropy", "adamw"]
+    for name, spec in specs.items():
+        assert isinstance(spec, KernelSpec) and spec.name == name
+        assert spec.replaces and spec.api and spec.inputs and spec.outputs
+        assert spec.shapes["small"] and spec.shapes["full"]
+        json.dumps(spec.describe())
+        assert spec.source_path().name == f"{name}.py"
+        assert not spec.bitwise  # none of these is asked to be bitwise (see adamw docstring for why)
+    full = specs["cross_entropy"].shapes["full"]
+    assert {s["vocab"] for s in full} == {128256} and {s["hidden"] for s in full} == {2048, 4096}
+    assert {s["ffn"] for s in specs["swiglu"].shapes["full"]} == {8192, 14336}
+    assert {(s["heads"], s["head_dim"]) for s in specs["rope"].shapes["full"]} == {(32, 128), (8, 128)}
+    assert {s["seq"] for s in specs["rope"].shapes["full"]} == {4096, 8192}
+    # package exports are the functions, not the modules
+    assert callable(kernels.swiglu) and not isinstance(kernels.swiglu, type(sys))
+    assert kernels.rmsnorm_residual is rmsnorm_m.rmsnorm_residual
+
+
+def test_tolerances_file_is_versioned_and_documented():
+    tol = load_tolerances()
+    assert tol.version >= 1
+    assert set(tol.slack) == {"mean", "p95", "max", "signed_mean"}
+    assert all(v >= 1.0 for v in tol.slack.values())
+    text = (ROOT / "forgetrain/kernels/tolerances.yaml").read_text()
+    assert text.count("#") > 10  # the rationale lives next to the numbers
+
+
+# ----------------------------------------------------------------------------------------------- correct kernels
+
+@pytest.mark.parametrize("name", kernels.KERNELS)
+def test_kernel_passes_validation(name):
+    rep = validate(kernels.get_spec(name), "cpu", shapes="small")
+    assert rep.passed, format_report(rep)
+    assert rep.cases and all(t.cand["nonfinite"] == 0 for c in rep.cases for t in c.tensors)
+    d = rep.to_dict()
+    json.dumps(d)
+    names = {t["name"] for c in d["cases"] for t in c["tensors"]}
+    spec = kernels.get_spec(name)
+    assert {"d" + n for n in spec.differentiable} <= names  # backward really checked
+    for c in d["cases"]:
+        for t in c["tensors"]:
+            assert set(t["cand"]) >= {"mean", "p95", "max", "signed_mean"}
+            assert set(t["ref"]) >= {"mean", "p95", "max", "signed_mean"}
+
+
+# ----------------------------------------------------------------------------------------------- planted bugs
+
+@triton.jit
+def _swiglu_fwd_off_by_one(G, U, Y, stride_g, stride_u, stride_y, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols - 1  # BUG: the last column of every row is never written
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def test_rejects_off_by_one_mask():
+    fn = swiglu_m.make_swiglu(fwd_kernel=_swiglu_fwd_off_by_one)
+    spec = dataclasses.replace(swiglu_m.SPEC, candidate=swiglu_m.candidate_from(fn))
+    rep = validate(spec, "cpu", shapes="small")
+    assert not rep.passed
+    assert "nonfinite" in rep.failed_stats()
+    assert any(" y: nonfinite" in f for f in rep.failures), rep.failures
+
+
+def test_rejects_wrong_rmsnorm_epsilon():
+    # F.rms_norm(eps=None) silently uses finfo(dtype).eps (2^-7 for bf16) instead of the model's 1e-5.
+    wrong = torch.finfo(torch.bfloat16).eps
+    good = rmsnorm_m.candidate_from(rmsnorm_m.rmsnorm_residual)
+    spec = dataclasses.replace(rmsnorm_m.SPEC, candidate=lambda inp: good({**inp, "eps": wrong}))
+    rep = validate(spec, "cpu", shapes="small")
+    assert not rep.passed
+    y_fail = {s for c in rep.cases for t in c.tensors if t.name == "y" for s in t.failed}
+    assert y_fail & {"signed_mean", "mean"}, rep.failures
+    assert any(" y: signed_mean" in f or " y: mean" in f for f in rep.failures)
+
+
+@triton.jit
+def _ce_fwd_no_max(LOGITS, LABELS, LOSS, LSE, stride_l, V, ignore_index, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_l
+    cols = tl.arange(0, BLOCK_V)
+    z = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+    ssum = tl.sum(tl.exp(z), axis=0)  # BUG: no max subtraction, exp overflows for logits > ~88.7
+    for v0 in range(BLOCK_V, V, BLOCK_V):
+        z = tl.load(base + v0 + cols, mask=(v0 + cols) < V, other=float("-inf"))
+        ssum += tl.sum(tl.exp(z), axis=0)
+    lse = tl.log(ssum)
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    z_label = tl.load(base + label, mask=valid, other=0.0)
+    tl.store(LOSS + row, tl.where(valid, lse - z_label, 0.0))
+    tl.store(LSE + row, lse)
+
+
+def test_rejects_missing_max_subtraction():
+    fn = ce_m.make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_no_max)
+    spec = dataclasses.replace(ce_m.SPEC, candidate=ce_m.candidate_from(fn))
+    assert any(s.get("logit_std", 0) > 30 for s in spec.shapes["small"])  # the grid has overflow-sized logits
+    rep = validate(spec, "cpu", shapes="small")
+    assert not rep.passed
+    assert "nonfinite" in rep.failed_stats()
+    assert any(" loss: nonfinite" in f for f in rep.failures), rep.failures
+    # at ordinary logit scales the bug is invisible: validation must not blame the correct-looking case
+    ok_case = [c for c in rep.cases if c.shape.get("logit_std", 2.0) < 30]
+    assert ok_case and ok_case[0].ok
+
+
+@triton.jit
+def _rmsnorm_fwd_bf16_acc(X, R, W, Y, S, RSTD, stride_x, stride_r, stride_y, stride_s, H, eps,
+                          HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    s_low = (s + r).to(S.dtype.element_ty)
+    tl.store(S + row * stride_s + cols, s_low, mask=mask)
+    s = s_low.to(tl.float32)
+    # BUG: the sum of squares is accumulated in bf16, 8 lanes x H/8 sequential steps
+    acc = tl.zeros([8], dtype=tl.bfloat16)
+    for c0 in range(0, BLOCK_H, 8):
+        cc = c0 + tl.arange(0, 8)
+        xc = tl.load(X + row * stride_x + cc, mask=cc < H, other=0.0).to(tl.float32)
+        rc = tl.load(R + row * stride_r + cc, mask=cc < H, other=0.0).to(tl.float32)
+        sc = (xc + rc).to(tl.bfloat16)
+        acc += sc * sc
+    ms = tl.sum(acc.to(tl.float32), axis=0) / H
+    rstd = tl.rsqrt(ms + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (s * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+def test_rejects_bf16_accumulation():
+    fn = rmsnorm_m.make_rmsnorm_residual(fwd_kernel=_rmsnorm_fwd_bf16_acc)
+    spec = dataclasses.replace(rmsnorm_m.SPEC, candidate=rmsnorm_m.candidate_from(fn))
+    rep = validate(spec, "cpu", dtypes=[torch.bfloat16], shapes="small")
+    assert not rep.passed
+    y_fail = {s for c in rep.cases for t in c.tensors if t.name == "y" for s in t.failed}
+    assert y_fail & {"mean", "p95", "max"}, rep.failures
+    assert any(" y: mean" in f or " y: p95" in f or " y: max" in f for f in rep.failures)
+
+
+def test_rejects_candidate_that_writes_its_inputs():
+    good = swiglu_m.candidate_from(swiglu_m.swiglu)
+
+    def sloppy(inp):
+        out = good(inp)
+        inp["up"].data.mul_(1.5)  # reuses an input as scratch
+        return out
+
+    rep = validate(dataclasses.replace(swiglu_m.SPEC, candidate=sloppy), "cpu",
+                   shapes=[{"tokens": 4, "ffn": 64}], dtypes=[torch.bfloat16])
+    assert not rep.passed and "inputs_modified" in rep.failed_stats()
+
+
+# ----------------------------------------------------------------------------------------------- functional APIs
+
+def test_rmsnorm_api():
+    x = torch.randn(2, 3, 96).bfloat16().requires_grad_()
+    w = torch.rand(96).bfloat16().requires_grad_()
+    y, s = kernels.rmsnorm_residual(x, None, w, 1e-5)
+    assert s is x and y.shape == x.shape and y.dtype == torch.bfloat16
+    ref = torch.nn.functional.rms_norm(x.float(), (96,), w.float(), 1e-5)
+    assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
+    y.float().square().sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    with pytest.raises(ValueError):
+        kernels.rmsnorm_residual(x, None, torch.ones(95).bfloat16(), 1e-5)
+    with pytest.raises(ValueError):
+        kernels.rmsnorm_residual(x, torch.randn(2, 3, 96), w, 1e-5)  # dtype mismatch
+
+
+def test_swiglu_reads_chunked_views_without_copy():
+    gu = torch.randn(5, 2 * 80).bfloat16()
+    g, u = gu.chunk(2, dim=-1)
+    assert not g.is_contiguous()
+    y = kernels.swiglu(g, u)
+    assert torch.equal(y, kernels.swiglu(g.contiguous(), u.contiguous()))
+    with pytest.raises(ValueError):
+        kernels.swiglu(g, u[:, :79])
+
+
+def test_rope_strided_view_and_errors():
+    B, S, H, KV, D = 1, 6, 4, 2, 16
+    qkv = torch.randn(B, S, H + 2 * KV, D).bfloat16()
+    q = qkv[:, :, :H]
+    cos, sin = kernels.rope_tables(S, D)
+    out = kernels.apply_rope(q, cos, sin)
+    assert torch.equal(out, kernels.apply_rope(q.contiguous(), cos, sin))
+    ref = rope_m._reference({"t": q, "cos": cos, "sin": sin})["y"]
+    assert (out.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+    with pytest.raises(ValueError):
+        kernels.apply_rope(q, cos.double(), sin.double())
+    with pytest.raises(ValueError):
+        kernels.apply_rope(q[0], cos, sin)
+
+
+def test_cross_entropy_mean_loss_backward_and_chunking():
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 13, 32, 100
+    h = torch.randn(N, H, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, generator=g) / 6).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[3] = -100
+    losses = [kernels.fused_linear_cross_entropy(h, w, labels, chunk_size=c) for c in (1, 5, 64)]
+    for lo in losses[1:]:
+        assert torch.allclose(lo, losses[0], rtol=1e-5, atol=1e-6)
+    assert losses[0][3] == 0
+    losses[1].mean().backward()  # dloss is an expanded (stride-0) tensor
+    ref = torch.nn.functional.cross_entropy((h.double() @ w.double().t()), labels, reduction="none")
+    assert torch.allclose(losses[1].double(), ref, rtol=1e-5, atol=1e-5)
+    assert h.grad.shape == h.shape and w.grad.shape == w.shape and torch.isfinite(w.grad.float()).all()
+    with pytest.raises(ValueError):
+        kernels.fused_linear_cross_entropy(h, w, labels.float())
+    with pytest.raises(ValueError):
+        kernels.fused_linear_cross_entropy(h, w, labels, chunk_size=0)
+
+
+def test_adamw_tracks_torch_optimizer_over_steps():
+    g = torch.Generator().manual_seed(1)
+    shapes = [(17, 9), (30,), (5, 5)]
+    main = [torch.randn(*s, generator=g) * 0.02 for s in shapes]
+    ref_params = [m.clone().requires_grad_() for m in main]
+    opt = torch.optim.AdamW(ref_params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    params = [m.bfloat16() for m in main]
+    ms = [torch.zeros_like(m) for m in main]
+    vs = [torch.zeros_like(m) for m in main]
+    for step in range(1, 4):
+        grads = [torch.randn(*s, generator=g) * 1e-2 for s in shapes]
+        for p, gr in zip(ref_params, grads):
+            p.grad = gr.clone()
+        opt.step()
+        kernels.adamw_step(params, grads, ms, vs, main, step=step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, wd=0.1)
+    for m, r, p in zip(main, ref_params, params):
+        assert torch.allclose(m, r.detach(), rtol=0, atol=1e-8)
+        assert torch.equal(p, m.bfloat16())
+    with pytest.raises(ValueError):
+        kernels.adamw_step(params, grads[:2], ms, vs, main, step=1, lr=1e-3)
+    with pytest.raises(ValueError):
+        kernels.adamw_step(params, grads, ms, vs, main, step=0, lr=1e-3)
+    with pytest.raises(ValueError):
+        kernels.adamw_step(params, grads, [m.bfloat16() for m in ms], vs, main, step=1, lr=1e-3)
+
+
+def test_adamw_without_main_params_updates_fp32_in_place():
+    p = [torch.randn(40) * 0.1]
+    before = p[0].clone()
+    kernels.adamw_step(p, [torch.randn(40)], [torch.zeros(40)], [torch.zeros(40)], step=1, lr=1e-2, wd=0.0)
+    assert not torch.equal(p[0], before) and torch.isfinite(p[0]).all()
+
+
+# ----------------------------------------------------------------------------------------------- seal / list
+
+def _tmp_kernel_spec(tmp_path: Path, monkeypatch):
+    """A throwaway kernel module (a copy of swiglu's spec under a new module name) whose source we can edit."""
+    pkg = tmp_path / "tmpkern"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    src = pkg / "k.py"
+    src.write_text(textwrap.dedent("""
+        import dataclasses
+        from forgetrain.kernels import module_of
+        SPEC = dataclasses.replace(module_of("swiglu").SPEC, name="tmpk", module=__name__)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module("tmpkern.k").SPEC, src
+
+
+def test_seal_records_and_flags_stale(tmp_path, monkeypatch):
+    spec, src = _tmp_kernel_spec(tmp_path, monkeypatch)
+    reg_path = tmp_path / "registry.json"
+    rep = validate(spec, "cpu", shapes=[{"tokens": 3, "ffn": 40}], dtypes=[torch.bfloat16])
+    entry = seal_mod.seal(spec, rep, None, reg_path)
+    reg = json.loads(reg_path.read_text())
+    assert reg["kernels"]["tmpk"]["cpu"]["source_sha256"] == entry["source_sha256"]
+    assert entry["versions"]["triton"] == triton.__version__ and entry["timings"] is None
+    assert seal_mod.status(spec, reg) == {"cpu": "sealed"}
+    assert "cpu:sealed" in seal_mod.list_lines([spec], reg_path)[0]
+    src.write_text(src.read_text() + "\n# edited after sealing\n")
+    assert seal_mod.status(spec, seal_mod.load_registry(reg_path)) == {"cpu": "STALE"}
+    assert "STALE" in seal_mod.list_lines([spec], reg_path)[0]
+
+
+def test_seal_refuses_a_failing_kernel(tmp_path):
+    fn = swiglu_m.make_swiglu(fwd_kernel=_swiglu_fwd_off_by_one)
+    spec = dataclasses.replace(swiglu_m.SPEC, candidate=swiglu_m.candidate_from(fn))
+    rep = validate(spec, "cpu", shapes=[{"tokens": 3, "ffn": 40}], dtypes=[torch.bfloat16])
+    with pytest.raises(KernelValidationError, match="nonfinite"):
+        seal_mod.seal(spec, rep, None, tmp_path / "r.json")
+    assert not (tmp_path / "r.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------- bench / CLI
+
+def test_bench_skips_without_cuda():
+    with pytest.raises(bench_mod.BenchSkipped, match="CUDA"):
+        bench_mod.bench(swiglu_m.SPEC, "cpu")
+
+
+def test_bench_dry_run_on_cpu_exercises_the_pipeline(monkeypatch):
+    def broken_compile(*a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    res = bench_mod.bench(rmsnorm_m.SPEC, "cpu", shapes=[{"tokens": 4, "hidden": 64}], allow_cpu=True,
+                          repeats=2, warmup=1, rotate_bytes=4096, log=None)
+    case = res["cases"][0]
+    assert case["n_sets"] >= 2
+    for phase in ("fwd", "fwd_bwd"):
+        assert case[phase]["candidate"]["ms"] > 0 and case[phase]["reference"]["ms"] > 0
+        assert "GBps" in case[phase]["candidate"]
+    assert "error" in case["fwd"]["compiled"]
+    assert "vs_reference" in case["speedup"]["fwd"]
+    res = bench_mod.bench(adamw_m.SPEC, "cpu", shapes=adamw_m.SPEC.shapes["small"][:1], allow_cpu=True,
+                          repeats=2, warmup=1, compile_ref=False, log=None)
+    assert res["cases"][0]["fwd"]["candidate"]["ms"] > 0 and not res["cases"][0]["fwd_bwd"]
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "forgetrain.kernels", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_validate_list_and_bench(tmp_path):
+    out = tmp_path / "v.json"
+    r = _cli("validate", "--kernel", "swiglu", "--kernel", "rope", "--device", "cpu", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "swiglu: PASS" in r.stdout and "rope: PASS" in r.stdout
+    d = json.loads(out.read_text())
+    assert d["swiglu"]["validation"]["passed"] and d["rope"]["validation"]["passed"]
+    r = _cli("list")
+    assert r.returncode == 0 and all(n in r.stdout for n in kernels.KERNELS)
+    r = _cli("bench", "--device", "cpu")
+    assert r.returncode == 0 and "skipped" in r.stdout
+    r = _cli("validate", "--kernel", "nope", "--device", "cpu")
+    assert r.returncode == 2 and "unknown kernel" in r.stderr
