@@ -30,6 +30,7 @@ class BenchConfig:
     against: list = field(default_factory=lambda: ["megatron"])  # references/<name> to time beside the forged one
     steps: int = 10  # timed steps per side (median)
     warmup: int = 3  # untimed steps per side
+    interleave: str = "auto"  # auto | always | never. never: A, B..., A blocks (one engine in memory at a time)
     out_dir: Optional[str] = None
 
 
@@ -121,6 +122,64 @@ def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int) -> dict[str
     return times
 
 
+def _bytes_per_engine(cfg: RunConfig) -> float:
+    from forgetrain.metrics import param_counts
+
+    return param_counts(cfg.model)["total"] * 18.0  # bf16 weights + fp32 main, grad, Adam m and v
+
+
+def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None) -> dict:
+    """Blocks A, B, C, ..., A (A = forged), one engine in memory at a time, for models too big to hold every
+    side at once. The forged engine is timed before and after the others; its two blocks' medians bracket any
+    drift of the machine, and the reported spread includes both blocks."""
+    import gc
+
+    from forgetrain import registry
+
+    device = torch.device(cfg.hardware.device)
+    batches = _batches(cfg, warmup + steps)
+    times: dict = {"_mem_gib": {}}
+    init = None
+
+    def block(name, make):
+        nonlocal init
+        torch.manual_seed(cfg.train.seed)
+        eng = make()
+        if init is None:
+            init = eng.export_hf_weights()
+        else:
+            eng.load_hf_weights(init)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out = []
+        for i in range(warmup + steps):
+            with _Timer(device) as tm:
+                eng.train_step(batches[i])
+            if i >= warmup:
+                out.append(tm.s)
+        if device.type == "cuda":
+            times["_mem_gib"][name] = max(times["_mem_gib"].get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        del eng
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return out
+
+    forged_cls = engine_cls or registry.load_engine_class("scenarios", cfg.scenario.name)
+    first = block("forged", lambda: forged_cls(cfg, device))
+    for name in against:
+        try:
+            times[name] = block(name, lambda: registry.load_engine_class("references", name)(cfg, device))
+        except torch.cuda.OutOfMemoryError:
+            times["_oom"] = times.get("_oom", []) + [name]
+            gc.collect()
+            torch.cuda.empty_cache()
+    last = block("forged", lambda: forged_cls(cfg, device))
+    times["forged"] = first + last
+    times["_forged_blocks"] = [statistics.median(first), statistics.median(last)]
+    return times
+
+
 def interleaved_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
     """(reference step seconds, forged step seconds), timed interleaved in this process."""
     sides = build_sides(cfg, [reference], engine_cls)
@@ -138,6 +197,8 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
     base = statistics.median(times["forged"])
     for name, ts in times.items():
         if name.startswith("_"):
+            continue
+        if not ts:
             continue
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
         med = statistics.median(ts)
@@ -169,11 +230,26 @@ def bench_task(cfg) -> None:
     from forgetrain.config import validate
 
     validate(rc)
-    sides = build_sides(rc, list(b.against))
-    rows = summarize(rc, time_sides(rc, sides, b.steps, b.warmup))
+    against = list(b.against)
+    fits = _bytes_per_engine(rc) * (1 + len(against)) < 0.4 * (
+        torch.cuda.get_device_properties(0).total_memory if rc.hardware.device == "cuda" else 8e9)
+    if b.interleave == "always" or (b.interleave == "auto" and fits):
+        mode, times = "interleaved", time_sides(rc, build_sides(rc, against), b.steps, b.warmup)
+    else:
+        mode, times = "sequential A-B-A", sequential_times(rc, against, b.steps, b.warmup)
+    rows = summarize(rc, times)
+    print(f"timing: {mode}; warm-up {b.warmup}, median of {b.steps} steps per side; tokens/step "
+          f"{rc.train.global_batch_size * rc.model.seq_length}")
     print_table(rows)
+    for name in times.get("_oom", []):
+        print(f"{name}: out of memory at this shape (not timed)")
+    if "_forged_blocks" in times:
+        a, c = times["_forged_blocks"]
+        print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
-    atomic_write_json(out / "bench.json", {"rows": rows, "versions": versions(), "scenario": rc.scenario.name,
+    atomic_write_json(out / "bench.json", {"rows": rows, "mode": mode, "oom": times.get("_oom", []),
+                                           "forged_blocks_s": times.get("_forged_blocks"),
+                                           "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
     print(f"wrote {out / 'bench.json'}", file=sys.stderr)
 

@@ -253,8 +253,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"train.lr_decay_style must be cosine|linear|constant, got '{t.lr_decay_style}'")
     if not (0 <= t.min_lr <= t.lr) or not math.isfinite(t.lr):
         raise ConfigError(f"need 0 <= train.min_lr <= train.lr, got min_lr={t.min_lr} lr={t.lr}")
-    if t.lr_warmup_steps < 0 or t.lr_warmup_steps > t.steps:
-        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must lie in [0, train.steps={t.steps}]")
+    decay_steps = t.lr_decay_steps or t.steps
+    if t.lr_warmup_steps < 0 or t.lr_warmup_steps >= decay_steps:
+        raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must lie in [0, {decay_steps}) "
+                          f"(train.lr_decay_steps, default train.steps; Megatron requires warmup < decay)")
     if t.clip_grad < 0 or t.weight_decay < 0:
         raise ConfigError("train.clip_grad and train.weight_decay must be >= 0")
     if d.path is not None:

@@ -100,7 +100,8 @@ def _verdict_block(res: dict) -> list[str]:
             if extra:
                 out.append(f"  - detail: `{_clip(json.dumps(extra, default=str), 400)}`")
         if not v["passed"] and v.get("evidence"):
-            out.append(f"  - evidence: `{_clip(json.dumps(v['evidence'], default=str, sort_keys=True), 1200)}`")
+            ev = {k: x for k, x in v["evidence"].items() if k != "config"}  # the tier's config is in gates/
+            out.append(f"  - evidence: `{_clip(json.dumps(ev, default=str, sort_keys=True), 1200)}`")
     m = res.get("metrics") or {}
     if m.get("mfu_pct") is not None or m.get("reference"):
         c, r = m.get("candidate") or {}, m.get("reference") or {}

@@ -250,7 +250,7 @@ SPEC = KernelSpec(
     saved={"s": "[tokens, hidden] dtype (the returned residual)", "weight": "[hidden]", "rstd": "[tokens] fp32"},
     dtypes=(torch.bfloat16, torch.float16),
     shapes={
-        "small": ({"tokens": 24, "hidden": 256}, {"tokens": 19, "hidden": 200}),
+        "small": ({"tokens": 24, "hidden": 256}, {"tokens": 19, "hidden": 200}, {"tokens": 16, "hidden": 1024}),
         "full": ({"tokens": 4096, "hidden": 2048}, {"tokens": 8192, "hidden": 4096}),
     },
     cost=_cost,
