@@ -141,24 +141,37 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
     times: dict = {"_mem_gib": {}}
     init = None
 
+    from forgetrain.metrics import mfu_pct, peak_flops
+
+    peak, _ = peak_flops(cfg.hardware)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+
     def block(name, make):
         nonlocal init
+        t0 = time.perf_counter()
         torch.manual_seed(cfg.train.seed)
         eng = make()
+        t_build = time.perf_counter() - t0
         if init is None:
             init = eng.export_hf_weights()
         else:
             eng.load_hf_weights(init)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        out = []
+        out, t_first = [], 0.0
         for i in range(warmup + steps):
             with _Timer(device) as tm:
                 eng.train_step(batches[i])
             if i >= warmup:
                 out.append(tm.s)
+            elif i == 0:
+                t_first = tm.s
         if device.type == "cuda":
             times["_mem_gib"][name] = max(times["_mem_gib"].get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        med = statistics.median(out)
+        print(f"[block] {name}: build {t_build:.1f}s, first step {t_first:.1f}s, median step {med:.4f}s, "
+              f"{tokens / med:,.0f} tokens/s, MFU {mfu_pct(cfg.model, tokens / med, peak):.1f}%, "
+              f"peak mem {times['_mem_gib'].get(name, 0.0):.1f} GiB", flush=True)
         del eng
         gc.collect()
         if device.type == "cuda":

@@ -9,8 +9,8 @@ engine), :mod:`.brief` (the per-round brief), :mod:`.knowledge` (the cross-run k
 :mod:`._ladder` (the gates, run in a subprocess), :mod:`.loop` (the rounds, state, log, seal),
 :mod:`.install` (copy a sealed engine into ``scenarios/``).
 
-This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point. It
-imports neither torch nor megatron: the loop process stays light, the candidate runs in a subprocess.
+This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point; it
+imports neither torch nor megatron. The loop never imports a candidate engine: the gates run in a subprocess.
 """
 
 from __future__ import annotations

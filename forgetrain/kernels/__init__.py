@@ -12,6 +12,9 @@ Functional APIs (stable; forged engines switch them per op, e.g. ``kernels.rmsno
 * ``adamw_step(params, grads, exp_avgs, exp_avg_sqs, main_params=None, *, step, lr, beta1, beta2, eps, wd)``
   -- multi-tensor AdamW, fp32 main weights copied back to the model dtype (:mod:`.adamw`).
 
+``select(op, "triton" | "torch")`` returns either implementation; :mod:`.torch_ops` holds the torch ones (the
+replaced ops, same signatures, importable without Triton).
+
 Every kernel has a :class:`~forgetrain.kernels.spec.KernelSpec` (``get_spec(name)``, ``all_specs()``) that
 :func:`~forgetrain.kernels.validate.validate`, :func:`~forgetrain.kernels.bench.bench` and
 :func:`~forgetrain.kernels.seal.seal` consume; ``python -m forgetrain.kernels list|validate|bench|seal``.
@@ -35,7 +38,24 @@ _API = {
     "fused_linear_cross_entropy": "cross_entropy",
     "adamw_step": "adamw",
 }
-__all__ = ["KERNELS", "get_spec", "all_specs", "module_of", *_API]
+_OP = {"rmsnorm": "rmsnorm_residual", "swiglu": "swiglu", "rope": "apply_rope",
+       "cross_entropy": "fused_linear_cross_entropy", "adamw": "adamw_step"}
+__all__ = ["KERNELS", "get_spec", "all_specs", "module_of", "select", *_API]
+
+
+def select(op: str, backend: str = "triton"):
+    """The implementation of kernel ``op`` for ``backend``: "triton" (the forged kernel) or "torch" (the replaced
+    op, :mod:`forgetrain.kernels.torch_ops`, same signature). Raises ForgeTrainError for unknown names."""
+    from forgetrain.errors import ForgeTrainError
+    if op not in _OP:
+        raise ForgeTrainError(f"unknown kernel '{op}'; known: {', '.join(KERNELS)}")
+    if backend == "torch":
+        from forgetrain.kernels import torch_ops
+        return getattr(torch_ops, _OP[op])
+    if backend == "triton":
+        module_of(op)
+        return globals()[_OP[op]]
+    raise ForgeTrainError(f"unknown kernel backend '{backend}'; use 'triton' or 'torch'")
 
 
 def _pin(modname: str) -> None:

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         shapes = args.shapes or ("full" if device == "cuda" else "small")
+        bench_shapes = "bench" if shapes == "full" else shapes  # the timed subset of the full grid
         names = args.kernel or list(kernels.KERNELS)
         specs = [kernels.get_spec(n) for n in names]
         if args.command == "list":
@@ -77,8 +78,13 @@ def main(argv=None) -> int:
                     bres = None
                     if device == "cuda" and not args.no_bench:
                         from forgetrain.kernels.bench import bench
-                        bres = bench(spec, device, shapes=shapes, repeats=args.repeats, warmup=args.warmup,
-                                     rotate_bytes=args.rotate_mb * 1e6, compile_ref=not args.no_compile)
+                        def partial(r, name=spec.name):
+                            results[name]["bench"] = r
+                            dump()
+
+                        bres = bench(spec, device, shapes=bench_shapes, repeats=args.repeats, warmup=args.warmup,
+                                     rotate_bytes=args.rotate_mb * 1e6, compile_ref=not args.no_compile,
+                                     on_case=partial)
                         results[spec.name]["bench"] = bres
                     entry = seal(spec, rep, bres, args.registry)
                     print(f"{spec.name}: sealed on {device} ({entry['source_sha256'][:12]})", flush=True)
@@ -88,9 +94,13 @@ def main(argv=None) -> int:
             from forgetrain.kernels.bench import BenchSkipped, bench
             try:
                 for spec in specs:
-                    results[spec.name] = bench(spec, device, shapes=shapes, repeats=args.repeats,
+                    def partial(r, name=spec.name):
+                        results[name] = r
+                        dump()
+
+                    results[spec.name] = bench(spec, device, shapes=bench_shapes, repeats=args.repeats,
                                                warmup=args.warmup, rotate_bytes=args.rotate_mb * 1e6,
-                                               compile_ref=not args.no_compile)
+                                               compile_ref=not args.no_compile, on_case=partial)
                     dump()
             except BenchSkipped as e:
                 print(str(e), flush=True)

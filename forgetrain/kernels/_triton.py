@@ -21,11 +21,10 @@ if not torch.cuda.is_available():
 try:
     import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+except ImportError as e:  # pragma: no cover - exercised only where triton is absent
+    raise ImportError("forgetrain.kernels needs triton (pip install 'forgetrain[kernels]' or triton>=3.2); "
+                      "the torch implementations need no triton: forgetrain.kernels.torch_ops") from e
+HAVE_TRITON = True
 
 
 def interpreting() -> bool:
@@ -64,8 +63,6 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 def check_device(*tensors: torch.Tensor) -> None:
     """Raise ValueError unless all tensors share one device that Triton can run on here."""
-    if not HAVE_TRITON:
-        raise RuntimeError("triton is not installed; install the 'kernels' extra (pip install triton)")
     dev = tensors[0].device
     for t in tensors:
         if t.device != dev:

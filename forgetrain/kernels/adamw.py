@@ -28,14 +28,14 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch.optim.adamw import adamw as _torch_adamw
 
-from forgetrain.kernels._triton import check_device, empty, interpreting, tl, triton
+from forgetrain.kernels._triton import check_device, interpreting, tl, triton
+from forgetrain.kernels import torch_ops
 from forgetrain.kernels.spec import KernelSpec
 
 __all__ = ["adamw_step", "SPEC"]
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if tl else {}
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -224,14 +224,8 @@ def candidate_from(fn):
 
 
 def _reference(inp):
-    mains = inp["main_params"]
-    grads = [g.float() for g in inp["grads"]]
-    steps = [torch.tensor(float(inp["step"] - 1)) for _ in mains]
-    _torch_adamw(mains, grads, inp["exp_avgs"], inp["exp_avg_sqs"], [], steps, foreach=False,
-                 capturable=False, differentiable=False, fused=False, amsgrad=False, beta1=inp["beta1"],
-                 beta2=inp["beta2"], lr=inp["lr"], weight_decay=inp["wd"], eps=inp["eps"], maximize=False)
-    for p, w in zip(inp["params"], mains):
-        p.copy_(w)
+    torch_ops.adamw_step(inp["params"], inp["grads"], inp["exp_avgs"], inp["exp_avg_sqs"], inp["main_params"],
+                         **{k: inp[k] for k in _HYPER})
     return {k: inp[k] for k in ("main_params", "exp_avgs", "exp_avg_sqs", "params")}
 
 

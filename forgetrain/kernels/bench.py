@@ -7,8 +7,10 @@ Method (per /work/shared/device/README.md and the device METHOD notes):
   enqueues, so host launch overhead does not leak into the GPU timings.
 * Input sets rotate: enough independent random sets that together they exceed ``rotate_bytes`` (default 128 MB,
   > 2x the H200's ~50 MB L2), so no iteration finds its inputs in L2 left by the previous one.
-* ``fwd`` times the forward call; ``fwd_bwd`` times forward plus ``torch.autograd.grad`` of every differentiable
-  input with random upstream gradients (kernels without backward only get ``fwd``).
+* ``fwd`` times a training-mode forward (differentiable inputs require grad, so saved tensors are kept as in
+  training; one compiled graph serves both timings); ``fwd_bwd`` times forward plus ``torch.autograd.grad`` of
+  every differentiable input with random upstream gradients. Kernels without backward (AdamW) get ``fwd`` only,
+  under ``no_grad``.
 * Throughput: bytes / time for memory-bound kernels against the measured ~4.3 TB/s device-to-device copy
   ceiling, FLOPs / time for compute-bound ones against ~790 TFLOP/s (bf16 8192^3 matmul on the H200; the
   shared device README measured 760-794). ``spec.cost`` gives bytes and FLOPs (the replaced op's useful work).
@@ -95,14 +97,15 @@ def _variants(spec: KernelSpec, compile_ref: bool) -> dict:
     return out
 
 
-def bench(spec: KernelSpec, device: str | torch.device = "cuda", shapes: str | list = "full", dtypes=None, *,
+def bench(spec: KernelSpec, device: str | torch.device = "cuda", shapes: str | list = "bench", dtypes=None, *,
           repeats: int = 20, warmup: int = 5, rotate_bytes: float = 128e6, max_sets: int = 32,
-          compile_ref: bool = True, allow_cpu: bool = False, seed: int = 0, log=print) -> dict:
+          compile_ref: bool = True, allow_cpu: bool = False, seed: int = 0, log=print, on_case=None) -> dict:
     """Time ``spec``'s candidate, the replaced op and its compiled form over a shape grid.
 
     Returns ``{"kernel", "device", "device_name", "ceilings", "cases": [{"shape", "dtype", "n_sets",
     "set_bytes", "fwd": {variant: stats | {"error"}}, "fwd_bwd": {...}, "speedup": {...}}]}``.
-    Raises BenchSkipped when no CUDA device is usable (unless ``allow_cpu``).
+    ``on_case(result)`` is called after every case (e.g. to save partial results). Raises BenchSkipped when no
+    CUDA device is usable (unless ``allow_cpu``).
     """
     device = torch.device(device)
     if device.type != "cuda" and not allow_cpu:
@@ -110,7 +113,7 @@ def bench(spec: KernelSpec, device: str | torch.device = "cuda", shapes: str | l
                            "scripts/device/kernels_bench.sh)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchSkipped("bench: skipped: --device cuda but torch sees no CUDA device")
-    grid = list(spec.shapes[shapes]) if isinstance(shapes, str) else list(shapes)
+    grid = spec.grid(shapes) if isinstance(shapes, str) else list(shapes)
     dtypes = tuple(dtypes) if dtypes else spec.dtypes[:1]
     variants = _variants(spec, compile_ref)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run, timings meaningless)"
@@ -127,6 +130,8 @@ def bench(spec: KernelSpec, device: str | torch.device = "cuda", shapes: str | l
             result["cases"].append(case)
             if log:
                 log(format_case(spec.name, case))
+            if on_case:
+                on_case(result)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return result
@@ -155,35 +160,42 @@ def _bench_case(spec, device, shape, dtype, variants, repeats, warmup, rotate_by
 
     for vname, fn in variants.items():
         if isinstance(fn, Exception):
-            case["fwd"][vname] = {"error": f"torch.compile: {type(fn).__name__}: {fn}".splitlines()[0]}
+            err = {"error": f"torch.compile: {type(fn).__name__}: {fn}".splitlines()[0]}
+            case["fwd"][vname] = err
+            if diff:
+                case["fwd_bwd"][vname] = err
             continue
         try:
-            work_sets = [tree_map(lambda t: t.detach().clone(), s) for s in sets] if spec.inplace else sets
-
-            def fwd(k, fn=fn, work_sets=work_sets):
-                with torch.no_grad():
-                    fn(work_sets[k])
-
-            case["fwd"][vname] = _summ(_time(fwd, n_sets, warmup, repeats, device), cost["fwd"], spec.bound)
-            if diff:
-                leaf_sets = []
+            if spec.inplace:
+                run_sets = [tree_map(lambda t: t.detach().clone(), s) for s in sets]
+            else:
+                run_sets = []
                 for s in sets:
                     ls = dict(s)
                     for k in diff:
                         ls[k] = s[k].detach().requires_grad_(True)
-                    leaf_sets.append(ls)
+                    run_sets.append(ls)
 
-                def fwd_bwd(k, fn=fn, leaf_sets=leaf_sets):
-                    outs = fn(leaf_sets[k])
+            def fwd(k, fn=fn, run_sets=run_sets):
+                # training-mode forward (graph and saved tensors built, no backward); no_grad for optimizers
+                if diff:
+                    fn(run_sets[k])
+                else:
+                    with torch.no_grad():
+                        fn(run_sets[k])
+
+            case["fwd"][vname] = _summ(_time(fwd, n_sets, warmup, repeats, device), cost["fwd"], spec.bound)
+            if diff:
+                def fwd_bwd(k, fn=fn, run_sets=run_sets):
+                    outs = fn(run_sets[k])
                     names = list(spec.grad_outputs)
-                    torch.autograd.grad([outs[n] for n in names], [leaf_sets[k][d] for d in diff],
+                    torch.autograd.grad([outs[n] for n in names], [run_sets[k][d] for d in diff],
                                         [upstream[k][n] for n in names])
 
                 work = {"bytes": cost["fwd"]["bytes"] + cost["bwd"]["bytes"],
                         "flops": cost["fwd"]["flops"] + cost["bwd"]["flops"]}
                 case["fwd_bwd"][vname] = _summ(_time(fwd_bwd, n_sets, warmup, repeats, device), work, spec.bound)
-                del leaf_sets
-            del work_sets
+            del run_sets
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
             msg = f"{type(e).__name__}: {e}".splitlines()[0]
             case["fwd"].setdefault(vname, {"error": msg})

@@ -17,7 +17,9 @@ way for all three sides.
 
 ``cost(shape, dtype) -> {"fwd": {"bytes", "flops"}, "bwd": {...}}`` gives the work a benchmark divides by time
 (the minimum HBM traffic for memory-bound kernels, the matmul FLOPs of the replaced op for compute-bound ones);
-``bound`` says which ceiling applies ("memory" or "compute").
+``bound`` says which ceiling applies ("memory" or "compute"). ``shapes`` holds the grids "small" (CPU
+interpreter), "full" (scenario shapes, validated on the GPU) and optionally "bench" (the subset of "full" worth
+timing; defaults to "full").
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ class KernelSpec:
     derived: Callable[[Inputs, Outputs], Outputs] | None = None
     bound: str = "memory"
     api: str = ""
+
+    def grid(self, shapes: str) -> list:
+        """The shape grid ``shapes`` ("small", "full" or "bench"; "bench" falls back to "full")."""
+        if shapes == "bench" and "bench" not in self.shapes:
+            shapes = "full"
+        return [dict(s) for s in self.shapes[shapes]]
 
     def source_path(self) -> Path:
         """The file holding this kernel's source (hashed by the seal)."""

@@ -90,8 +90,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def rope_freqs(seq_length: int, head_dim: int, base: float, device) -> torch.Tensor:
-    """Rotary angles ``[s, 1, 1, d]`` fp32: outer(positions, inv_freq) duplicated along d. [align 4]"""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    """Rotary angles ``[s, 1, 1, d]`` fp32: outer(positions, inv_freq) duplicated along d. [align 4]
+
+    inv_freq is computed on the CPU and then moved, as Megatron's RotaryEmbedding does when it is built with CPU
+    initialisation (the reference's setting): ``pow`` on the GPU can differ from the CPU in the last bit, which
+    showed as a 1-ulp divergence of the first attention output on the H200 (2026-11-29).
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = inv_freq.to(device)
     pos = torch.arange(seq_length, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
