@@ -37,8 +37,8 @@ def _cases():
     rp = dict(T=p16, COS=p32, SIN=p32, OUT=p16, stride_tb=i32, stride_ts=i32, stride_th=i32, stride_ob=i32,
               stride_os=i32, stride_oh=i32, stride_cs=i32, S=i32, NH=i32, HALF="constexpr", BLOCK_H="constexpr",
               BLOCK_D="constexpr", BACKWARD="constexpr")
-    ce_f = dict(LOGITS=p32, LABELS=p64, LOSS=p32, LSE=p32, stride_l=i32, V=i32, ignore_index=i32,
-                BLOCK_V="constexpr")
+    ce_f = dict(LOGITS=p32, LABELS=p64, M=p32, S=p32, ZL=p32, stride_l=i32, v_start=i32, VC=i32,
+                ignore_index=i32, FIRST="constexpr", BLOCK_V="constexpr")
     ce_b = dict(LOGITS=p32, LSE=p32, LABELS=p64, DLOSS=p32, DZ=p16, stride_l=i32, stride_dz=i32, stride_dloss=i32,
                 v_start=i32, VC=i32, ignore_index=i32, BLOCK="constexpr")
     ad = dict(TABLE=p64, BLOCKS=p64, decay=f32, w1=f32, b2=f32, omb2=f32, step_size_neg=f32, bc2_sqrt=f32, eps=f32,
@@ -53,7 +53,8 @@ def _cases():
         ("swiglu.bwd", swiglu._swiglu_bwd_kernel, sw_b, dict(BLOCK=1024), 4),
         ("rope.fwd H=32 D=128", rope._rope_kernel, rp, dict(HALF=64, BLOCK_H=32, BLOCK_D=64, BACKWARD=False), 4),
         ("rope.bwd H=8 D=128", rope._rope_kernel, rp, dict(HALF=64, BLOCK_H=8, BLOCK_D=64, BACKWARD=True), 4),
-        ("cross_entropy.fwd", cross_entropy._ce_fwd_kernel, ce_f, dict(BLOCK_V=4096), 8),
+        ("cross_entropy.fwd first", cross_entropy._ce_fwd_kernel, ce_f, dict(FIRST=True, BLOCK_V=4096), 8),
+        ("cross_entropy.fwd", cross_entropy._ce_fwd_kernel, ce_f, dict(FIRST=False, BLOCK_V=4096), 8),
         ("cross_entropy.bwd", cross_entropy._ce_bwd_kernel, ce_b, dict(BLOCK=2048), 8),
         ("adamw hint", adamw._adamw_kernel, ad, {**ad_c, "ALIGN_HINT": True}, 8),
         ("adamw no-hint bf16 grads", adamw._adamw_kernel, ad,

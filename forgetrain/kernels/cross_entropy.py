@@ -11,16 +11,22 @@ computing the log-sum-exp and softmax functions"):
     dz_nv   = dloss_n * (exp(z_nv - lse_n) - [v == label_n])   (0 for ignored tokens), rounded to hidden.dtype
     dhidden = dz @ weight        dweight = dz^T @ hidden
 
-Forward: tokens are processed ``chunk_size`` at a time; for each chunk the fp32 logits ``[chunk, V]`` come from
-one matmul (bf16 inputs, fp32 output: ``torch.mm(..., out_dtype=float32)`` on CUDA) and a Triton kernel computes
-the online max / sum-exp, the loss and the log-sum-exp per token. Only ``lse`` (fp32 ``[N]``) is saved.
+Chunking: ``chunk_size`` is a memory budget counted in tokens: the transient fp32 logits block holds
+``chunk_size * V`` elements, laid out as a *vocab slice* of all N tokens, ``[N, Vc]`` with
+``Vc = ceil(chunk_size * V / N)`` (:func:`vocab_slices`). The ``[N, V]`` logits never exist. Slicing the
+vocabulary rather than the tokens keeps two properties a token chunking would lose: ``dweight[slice]`` is one
+matmul over all tokens (fp32 accumulation, one rounding, as in the eager op), and forward and backward issue the
+same matmul calls, so the recomputed logits are bitwise those of the forward and ``softmax - onehot`` of a
+confident token is ~0 rather than ~1 ulp of its logit.
 
-Backward: the vocabulary is processed in slices of ``Vc = ceil(chunk_size * V / N)`` entries (the same transient
-logits size as a forward chunk). For each slice the logits are recomputed, a Triton kernel writes ``dz`` (bf16)
-in place of softmax, ``dweight[slice] = dz^T @ hidden`` is one matmul over all tokens (fp32 accumulation, one
-rounding, as in the eager op), and ``dhidden += dz @ weight[slice]`` accumulates in fp32 and is rounded once at
-the end. Cost: one extra logits matmul in backward (4 matmuls instead of 3) in exchange for never holding the
-``[N, V]`` logits (eager holds bf16 logits, their fp32 copy and the fp32 gradient: 10 bytes per logit).
+Forward: per slice, the fp32 logits ``[N, Vc]`` come from one matmul (bf16 inputs, fp32 output:
+``torch.mm(..., out_dtype=float32)`` on CUDA) and a Triton kernel folds the slice into each row's running max
+and sum-exp (online log-sum-exp) and picks the label's logit. Only ``lse`` (fp32 ``[N]``) is saved.
+
+Backward: per slice, the logits are recomputed, a Triton kernel writes ``dz`` (bf16), ``dweight[slice] =
+dz^T @ hidden``, and ``dhidden += dz @ weight[slice]`` accumulates in fp32 (rounded once at the end). Cost: one
+extra logits matmul in backward (4 matmuls instead of 3) in exchange for never holding the ``[N, V]`` logits
+(eager holds bf16 logits, their fp32 copy and the fp32 gradient: 10 bytes per logit).
 
 The matmuls are cuBLAS (torch.mm); the Triton kernels are the softmax / loss / gradient passes over each chunk.
 The logits stay fp32 (the replaced op rounds them to bf16 first), so the loss is more accurate than eager.
@@ -39,26 +45,36 @@ __all__ = ["fused_linear_cross_entropy", "make_fused_linear_cross_entropy", "SPE
 
 
 @triton.jit
-def _ce_fwd_kernel(LOGITS, LABELS, LOSS, LSE, stride_l, V, ignore_index, BLOCK_V: tl.constexpr):
+def _ce_fwd_kernel(LOGITS, LABELS, M, S, ZL, stride_l, v_start, VC, ignore_index,
+                   FIRST: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One vocab slice [v_start, v_start + VC) of every row: fold the slice's max / sum-exp into the running
+    (M, S) of the row (online log-sum-exp) and pick the label's logit when it falls in the slice."""
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_l
     cols = tl.arange(0, BLOCK_V)
-    z = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+    z = tl.load(base + cols, mask=cols < VC, other=float("-inf"))
     m = tl.max(z, axis=0)
-    ssum = tl.sum(tl.exp(z - m), axis=0)
-    for v0 in range(BLOCK_V, V, BLOCK_V):
-        mask = (v0 + cols) < V
-        z = tl.load(base + v0 + cols, mask=mask, other=float("-inf"))
+    s = tl.sum(tl.exp(z - m), axis=0)
+    for v0 in range(BLOCK_V, VC, BLOCK_V):
+        z = tl.load(base + v0 + cols, mask=(v0 + cols) < VC, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        ssum = ssum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
-    lse = m + tl.log(ssum)
+    if not FIRST:
+        m_prev = tl.load(M + row)
+        s_prev = tl.load(S + row)
+        m_new = tl.maximum(m_prev, m)
+        s = s_prev * tl.exp(m_prev - m_new) + s * tl.exp(m - m_new)
+        m = m_new
+    tl.store(M + row, m)
+    tl.store(S + row, s)
     label = tl.load(LABELS + row)
-    valid = label != ignore_index
-    z_label = tl.load(base + label, mask=valid, other=0.0)
-    loss = tl.where(valid, lse - z_label, 0.0)
-    tl.store(LOSS + row, loss)
-    tl.store(LSE + row, lse)
+    in_slice = (label != ignore_index) & (label >= v_start) & (label < v_start + VC)
+    z_label = tl.load(base + (label - v_start), mask=in_slice, other=0.0)
+    if FIRST:
+        tl.store(ZL + row, z_label)
+    else:
+        tl.store(ZL + row, z_label, mask=in_slice)
 
 
 @triton.jit
@@ -101,8 +117,14 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _fwd_block(V: int) -> int:
-    return min(4096, next_pow2(V))
+def vocab_slices(N: int, V: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The vocab slices ``[(v0, v1), ...]`` both passes use: each holds ``~chunk_size * V`` logits of all ``N``
+    tokens (width rounded up to a multiple of 128). Forward and backward must issue identical matmuls so the
+    recomputed logits are bitwise the forward's (else ``softmax - onehot`` of a confident token is ~1 ulp of
+    its logit instead of ~0)."""
+    vc = max(1, -(-chunk_size * V // max(N, 1)))
+    vc = min(V, ((vc + 127) // 128) * 128)
+    return [(v0, min(V, v0 + vc)) for v0 in range(0, V, vc)]
 
 
 def make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_kernel, bwd_kernel=_ce_bwd_kernel):
@@ -113,16 +135,17 @@ def make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_kernel, bwd_kernel=_ce_bw
         def forward(ctx, hidden, weight, labels, chunk_size, ignore_index):
             N, _ = hidden.shape
             V = weight.shape[0]
-            loss = empty((N,), torch.float32, hidden.device)
-            lse = empty((N,), torch.float32, hidden.device)
-            wt = weight.t()
-            BLOCK_V = _fwd_block(V)
-            for n0 in range(0, N, chunk_size):
-                n1 = min(N, n0 + chunk_size)
-                logits = _mm_f32(hidden[n0:n1], wt)
-                fwd_kernel[(n1 - n0,)](logits, labels[n0:n1], loss[n0:n1], lse[n0:n1], logits.stride(0), V,
-                                       ignore_index, BLOCK_V=BLOCK_V, num_warps=8)
+            m = empty((N,), torch.float32, hidden.device)
+            s = empty((N,), torch.float32, hidden.device)
+            z_label = empty((N,), torch.float32, hidden.device)
+            for i, (v0, v1) in enumerate(vocab_slices(N, V, chunk_size)):
+                logits = _mm_f32(hidden, weight[v0:v1].t())
+                if N > 0:
+                    fwd_kernel[(N,)](logits, labels, m, s, z_label, logits.stride(0), v0, v1 - v0, ignore_index,
+                                     FIRST=i == 0, BLOCK_V=min(4096, next_pow2(v1 - v0)), num_warps=8)
                 del logits
+            lse = m + torch.log(s)
+            loss = torch.where(labels != ignore_index, lse - z_label, 0.0)
             ctx.save_for_backward(hidden, weight, labels, lse)
             ctx.chunk_size = chunk_size
             ctx.ignore_index = ignore_index
@@ -136,14 +159,13 @@ def make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_kernel, bwd_kernel=_ce_bw
             need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
             dh32 = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_dh else None
             dw = empty((V, H), weight.dtype, weight.device) if need_dw else None
-            vc = max(1, min(V, -(-ctx.chunk_size * V // max(N, 1))))
-            vc = min(V, ((vc + 127) // 128) * 128)
-            BLOCK = min(2048, next_pow2(vc))
-            for v0 in range(0, V, vc):
-                v1 = min(V, v0 + vc)
+            for v0, v1 in vocab_slices(N, V, ctx.chunk_size):
                 w_s = weight[v0:v1]
                 logits = _mm_f32(hidden, w_s.t())
+                BLOCK = min(2048, next_pow2(v1 - v0))
                 dz = empty((N, v1 - v0), hidden.dtype, hidden.device)
+                if N == 0:
+                    continue
                 bwd_kernel[(N, triton.cdiv(v1 - v0, BLOCK))](logits, lse, labels, dloss, dz, logits.stride(0),
                                                              dz.stride(0), dloss.stride(0), v0, v1 - v0,
                                                              ctx.ignore_index, BLOCK=BLOCK, num_warps=8)
@@ -170,8 +192,8 @@ def make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_kernel, bwd_kernel=_ce_bw
             hidden: ``[N, h]`` final hidden states (bf16 / fp16 / fp32), N = tokens.
             weight: ``[V, h]`` LM-head / output embedding, same dtype as ``hidden``.
             labels: ``[N]`` int64 targets in ``[0, V)`` or ``ignore_index`` (not range-checked on the device).
-            chunk_size: tokens per forward chunk; transient memory is ~``chunk_size * V * 4`` bytes (fp32
-                logits) in forward and about 1.5x that in backward.
+            chunk_size: memory budget in tokens: transient memory is ~``chunk_size * V * 4`` bytes (fp32 logits,
+                as vocab slices of all tokens) in forward and about 1.5x that in backward.
             ignore_index: label value whose token gets loss 0 and no gradient (as in F.cross_entropy).
         Returns:
             ``[N]`` fp32 per-token loss (reduce it yourself; gradients flow through any reduction).

@@ -69,30 +69,58 @@ class FastBlock(nn.Module):
         return x + F.linear(F.silu(gate) * up, self.mlp.fc2)
 
 
+def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
+    """One chunk of Megatron-form cross-entropy: logits ``[n, V]`` (bf16/fp32) -> (loss ``[n]`` fp32,
+    dlogits ``[n, V]`` in the logits' dtype = (softmax - onehot) * inv_n). Compiled on CUDA into fused kernels."""
+    z = logits.float()
+    zmax = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - zmax)
+    sumexp = e.sum(dim=-1, keepdim=True)
+    target = torch.gather(z, 1, labels[:, None])
+    loss = (torch.log(sumexp) + zmax - target).squeeze(1)
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]
+    g = (e / sumexp - onehot.to(z.dtype)) * inv_n
+    return loss, g.to(logits.dtype)
+
+
+_ce_chunk_compiled = None
+
+
+def _ce_fn(device: torch.device):
+    global _ce_chunk_compiled
+    if device.type != "cuda":
+        return _ce_chunk
+    if _ce_chunk_compiled is None:
+        _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
+    return _ce_chunk_compiled
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Mean cross-entropy of ``h [N, h] @ W[V, h]^T`` against ``labels [N]``, chunked over tokens.
 
-    The forward computes each chunk's fp32 logits, its loss and (softmax - onehot) / N, and immediately the
-    chunk's ``dh`` and its contribution to ``dW`` (fp32 accumulate), so only one chunk of logits is alive.
+    The forward computes each chunk's logits, its loss and (softmax - onehot) / N, and immediately the chunk's
+    ``dh`` and its ``dW`` contribution, so only one chunk of logits is alive and nothing is recomputed. With one
+    chunk (``ce_chunk_tokens >= N``) dW is a single bf16 GEMM; with several it accumulates in fp32.
     Returns (mean loss, per-token loss [N] fp32 detached). Formula: Megatron's max-shifted CE.
     """
 
     @staticmethod
     def forward(ctx, h, w, labels, chunk: int):
         n = h.shape[0]
+        fn = _ce_fn(h.device)
         dh = torch.empty_like(h)
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
+        dw = None
         for i in range(0, n, chunk):
             hc, lc = h[i:i + chunk], labels[i:i + chunk]
-            logits = (hc @ w.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            losses[i:i + chunk] = lse - logits.gather(1, lc[:, None]).squeeze(1)
-            g = torch.softmax(logits, dim=-1)
-            g[torch.arange(g.shape[0], device=g.device), lc] -= 1.0
-            g = (g / n).to(h.dtype)
+            loss, g = fn(hc @ w.t(), lc, 1.0 / n)
+            losses[i:i + chunk] = loss
             dh[i:i + chunk] = g @ w
-            dw.add_(g.t() @ hc)  # bf16 chunk product, fp32 accumulation across chunks
+            part = g.t() @ hc
+            if dw is None:
+                dw = part if chunk >= n else part.float()
+            else:
+                dw.add_(part)  # fp32 accumulation across chunks
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = w.dtype
         return losses.mean(), losses
