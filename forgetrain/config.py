@@ -140,6 +140,7 @@ class EngineOptions:
 
     mode: str = "exact"  # exact | fast
     compile: bool = False  # torch.compile each transformer block (fast mode)
+    attention_backend: str = "cudnn"  # fast mode SDPA preference on CUDA: cudnn | default
     ce_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk (kernels.cross_entropy=chunked|triton)
 
 
