@@ -29,8 +29,8 @@ import collections
 
 import torch
 
-from forgetrain.kernels._triton import check_device, interpreting, tl, triton
 from forgetrain.kernels import torch_ops
+from forgetrain.kernels._triton import check_device, interpreting, tl, triton
 from forgetrain.kernels.spec import KernelSpec
 
 __all__ = ["adamw_step", "SPEC"]

@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from forgetrain.kernels._triton import check_device, empty, next_pow2, tl, triton
 from forgetrain.kernels import torch_ops
+from forgetrain.kernels._triton import check_device, empty, next_pow2, tl, triton
 from forgetrain.kernels.spec import KernelSpec
 
 __all__ = ["fused_linear_cross_entropy", "make_fused_linear_cross_entropy", "SPEC"]
@@ -157,6 +157,9 @@ def make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_kernel, bwd_kernel=_ce_bw
             N, H = hidden.shape
             V = weight.shape[0]
             need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            if N == 0:
+                return (torch.zeros_like(hidden) if need_dh else None,
+                        torch.zeros_like(weight) if need_dw else None, None, None, None)
             dh32 = torch.zeros((N, H), dtype=torch.float32, device=hidden.device) if need_dh else None
             dw = empty((V, H), weight.dtype, weight.device) if need_dw else None
             for v0, v1 in vocab_slices(N, V, ctx.chunk_size):
@@ -164,8 +167,6 @@ def make_fused_linear_cross_entropy(fwd_kernel=_ce_fwd_kernel, bwd_kernel=_ce_bw
                 logits = _mm_f32(hidden, w_s.t())
                 BLOCK = min(2048, next_pow2(v1 - v0))
                 dz = empty((N, v1 - v0), hidden.dtype, hidden.device)
-                if N == 0:
-                    continue
                 bwd_kernel[(N, triton.cdiv(v1 - v0, BLOCK))](logits, lse, labels, dloss, dz, logits.stride(0),
                                                              dz.stride(0), dloss.stride(0), v0, v1 - v0,
                                                              ctx.ignore_index, BLOCK=BLOCK, num_warps=8)

@@ -13,16 +13,18 @@ Backward, with n = s * rstd and upstream gradients dy (of y) and ds_out (of the 
     dw  = sum_rows(dy * n)                                  (fp32 partial sums per program, then summed)
 
 Everything is computed in fp32 from the stored (rounded) ``s``, so ``y`` is exactly the normalisation of the
-residual stream that is returned. The replaced op rounds ``s * rstd`` to bf16 before multiplying by the weight
-(double rounding); the kernel rounds once.
+residual stream that is returned, and the fp64 oracle is defined the same way (it rounds ``x + residual`` to the
+storage dtype, then is exact). Each output is rounded once to ``x.dtype``. In the replaced op's backward, the
+gradient of the norm is rounded to ``x.dtype`` before autograd adds the residual's gradient, which loses the
+low bits where the two nearly cancel; the kernel adds them in fp32 and rounds once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from forgetrain.kernels._triton import check_device, empty, next_pow2, tl, triton
 from forgetrain.kernels import torch_ops
+from forgetrain.kernels._triton import check_device, empty, next_pow2, tl, triton
 from forgetrain.kernels.spec import KernelSpec
 
 __all__ = ["rmsnorm_residual", "make_rmsnorm_residual", "SPEC"]

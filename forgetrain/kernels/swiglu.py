@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from forgetrain.kernels._triton import check_device, empty, next_pow2, tl, triton
 from forgetrain.kernels import torch_ops
+from forgetrain.kernels._triton import check_device, empty, next_pow2, tl, triton
 from forgetrain.kernels.spec import KernelSpec
 
 __all__ = ["swiglu", "make_swiglu", "SPEC"]
