@@ -282,7 +282,9 @@ def _cost(shape, dtype):
     return {"fwd": {"bytes": n * (8 + 8 + 8 + gb + pb), "flops": 16 * n}, "bwd": {"bytes": 0, "flops": 0}}
 
 
-def _layer(h, ffn, heads, kv_heads, head_dim=128):
+def _layer(h, ffn, heads, kv_heads):
+    """The parameter shapes of one Llama decoder layer (q, k, v, o, gate, up, down, two norms)."""
+    head_dim = h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
     return [[q, h], [kv, h], [kv, h], [h, q], [ffn, h], [ffn, h], [h, ffn], [h], [h]]
 
