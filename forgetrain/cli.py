@@ -48,7 +48,7 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
     from forgetrain.config import register_configs
 
     register_configs()
-    if config_name in ("verify", "bench"):
+    if config_name in ("verify", "bench", "forge"):
         import importlib
 
         importlib.import_module(f"forgetrain.{config_name}").register()
@@ -115,9 +115,12 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
 
 def train_task(cfg) -> None:
     from forgetrain.config import to_run_config
+    from forgetrain.distributed import collective_errors
     from forgetrain.train import train
 
-    train(to_run_config(cfg))
+    rc = to_run_config(cfg)
+    with collective_errors(rc.parallel.timeout_s):  # a dead/hung peer rank -> one line, exit 1
+        train(rc)
 
 
 def main() -> None:

@@ -94,9 +94,12 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # TP
     pipeline_parallel_size: int = 1  # PP (not yet supported by forged engines)
     context_parallel_size: int = 1  # CP (not yet supported by forged engines)
-    zero_stage: int = 0  # 0 = plain DDP, 1 = distributed optimizer (ZeRO-1)
+    zero_stage: int = 0  # 0 = plain DDP, 1 = distributed optimizer (ZeRO-1: AdamW state sharded over DP)
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: int = 300  # collective timeout: a dead rank ends the job instead of hanging it
+    overlap_grad_reduce: bool = False  # forged engines: launch each grad bucket's collective during backward
+    bucket_size: Optional[int] = None  # grad-buffer bucket, elements; None = Megatron's default (1 bucket w/o overlap)
+    report_loss: str = "local"  # local = rank 0's own micro-batches (Megatron reference) | dp_mean = mean over DP
 
 
 @dataclass
@@ -283,6 +286,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
                                        or m.ffn_hidden_size % p.tensor_parallel_size):
         raise ConfigError(f"TP={p.tensor_parallel_size} must divide model.num_query_groups and "
                           f"model.ffn_hidden_size")
+    if p.zero_stage not in (0, 1):
+        raise ConfigError(f"parallel.zero_stage must be 0 (DDP) or 1 (distributed optimizer), got {p.zero_stage}")
+    if p.report_loss not in ("local", "dp_mean"):
+        raise ConfigError(f"parallel.report_loss must be local or dp_mean, got '{p.report_loss}'")
+    if p.bucket_size is not None and p.bucket_size <= 0:
+        raise ConfigError(f"parallel.bucket_size must be positive or null, got {p.bucket_size}")
+    if p.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
     if p.pipeline_parallel_size > 1 or p.context_parallel_size > 1:
         raise ConfigError("PP and CP are not supported by the forged engines yet; set them to 1")
     if cfg.hardware.device not in ("cpu", "cuda"):

@@ -3,16 +3,23 @@
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the default group is created with the backend from ``parallel.backend``
 (``auto``: nccl on CUDA, gloo on CPU) and a collective timeout of ``parallel.timeout_s`` seconds, so a dead rank
 ends the job with an error instead of hanging it. A single process needs no group.
+
+Failure handling: :func:`collective_errors` turns a failed collective (a peer rank died, hung past
+``parallel.timeout_s``, or became unreachable) into a one-line :class:`CollectiveError` (exit code 1) that names
+this rank, instead of a multi-page traceback. Under torchrun the launcher then stops the remaining local ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from forgetrain.errors import ForgeTrainError
 
 
 @dataclass
@@ -24,6 +31,49 @@ class DistEnv:
     def barrier(self) -> None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` from rank ``src`` on every rank (picklable objects; identity for a single process)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+
+class CollectiveError(ForgeTrainError):
+    """A collective failed or timed out: a peer rank died, hung or is unreachable. Exit code 1."""
+
+    exit_code = 1
+
+
+_COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout",
+                       "broken pipe", "socket", "peer")
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _COLLECTIVE_MARKERS)
+
+
+@contextlib.contextmanager
+def collective_errors(timeout_s: int | float):
+    """Re-raise a failed collective as a one-line :class:`CollectiveError` (only inside a multi-rank group).
+
+    The message names this rank, the world size and ``parallel.timeout_s``, plus the backend's first line.
+    """
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - filtered below, everything else propagates unchanged
+        multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not multi or isinstance(e, ForgeTrainError) or not _is_collective_failure(e):
+            raise
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        raise CollectiveError(
+            f"rank {dist.get_rank()}/{dist.get_world_size()}: a collective failed, so a peer rank died, hung "
+            f"longer than parallel.timeout_s={timeout_s} s or became unreachable; stopping this rank "
+            f"({type(e).__name__}: {first[:300]})") from e
 
 
 def init_distributed(parallel_cfg) -> DistEnv:

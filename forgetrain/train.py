@@ -122,7 +122,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
-    out = _out_dir(cfg)
+    out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     trace_dir, ckpt_root = out / "trace", out / "checkpoints"
 
     from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare

@@ -35,7 +35,7 @@ def test_every_group_option_composes(group):
         assert isinstance(rc, RunConfig)
 
 
-@pytest.mark.parametrize("name", ["verify", "bench"])
+@pytest.mark.parametrize("name", ["verify", "bench", "forge"])
 def test_entry_point_configs_compose(name):
     cfg = _compose(name)
     assert cfg.scenario.name == "llama_tiny_cpu"

@@ -73,18 +73,43 @@ class FastBlock(nn.Module):
     def _norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope32=None) -> torch.Tensor:
+        """``x [b, s, h]``; ``cos``/``sin`` ``[1, s, 1, d]`` in x's dtype; ``rope32`` fp32 ``[s, d]`` tables for
+        the Triton RoPE kernel. Per-op kernels follow ``kernels.*`` (torch | triton)."""
         b, s, _ = x.shape
         qpg = self.nq // self.nkv
-        mixed = F.linear(self._norm(x, self.input_norm.weight), self.attn.qkv).view(b, s, self.nkv, qpg + 2, self.d)
+        k_ = self.kernels
+        if k_.rmsnorm == "triton":
+            from forgetrain.kernels import rmsnorm_residual
+
+            h, _ = rmsnorm_residual(x, None, self.input_norm.weight, self.eps)
+        else:
+            h = self._norm(x, self.input_norm.weight)
+        mixed = F.linear(h, self.attn.qkv).view(b, s, self.nkv, qpg + 2, self.d)
         q = mixed[:, :, :, :qpg].reshape(b, s, self.nq, self.d)
         k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if k_.rope == "triton":
+            from forgetrain.kernels import apply_rope
+
+            q, k = apply_rope(q, *rope32), apply_rope(k, *rope32)
+        else:
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=qpg > 1)
-        x = x + F.linear(o.transpose(1, 2).reshape(b, s, self.nq * self.d), self.attn.proj)
-        gate, up = F.linear(self._norm(x, self.pre_mlp_norm.weight), self.mlp.fc1).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.mlp.fc2)
+        attn = F.linear(o.transpose(1, 2).reshape(b, s, self.nq * self.d), self.attn.proj)
+        if k_.rmsnorm == "triton":  # fused: x = x + attn; h = rmsnorm(x)
+            h, x = rmsnorm_residual(attn, x, self.pre_mlp_norm.weight, self.eps)
+        else:
+            x = x + attn
+            h = self._norm(x, self.pre_mlp_norm.weight)
+        gate, up = F.linear(h, self.mlp.fc1).chunk(2, dim=-1)
+        if k_.swiglu == "triton":
+            from forgetrain.kernels import swiglu
+
+            act = swiglu(gate, up)
+        else:
+            act = F.silu(gate) * up
+        return x + F.linear(act, self.mlp.fc2)
 
 
 def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
@@ -182,10 +207,18 @@ class FastLlama(nn.Module):
             self._rope[key] = _rope_cos_sin(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device,
                                             self.embedding.weight.dtype)
         cos, sin = self._rope[key]
+        rope32 = None
+        if self.kernels.rope == "triton":
+            rk = ("fp32", s, ids.device)
+            if rk not in self._rope:
+                from forgetrain.kernels import rope_tables
+
+                self._rope[rk] = rope_tables(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device)
+            rope32 = self._rope[rk]
         x = F.embedding(ids, self.embedding.weight)
         with _sdpa_priority(self.attention_backend, ids.device):
             for blk in self._blocks:
-                x = blk(x, cos, sin)
+                x = blk(x, cos, sin, rope32)
         return F.rms_norm(x, (x.shape[-1],), self.final_norm.weight, self.cfg.norm_epsilon)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor):

@@ -14,6 +14,21 @@ Step arithmetic (each line mirrors megatron-core 0.16.1 + torch AdamW, see READM
 
 bf16 (``train.precision=bf16``) runs the forward/backward under ``torch.autocast(bfloat16)`` with fp32 weights,
 grads and optimizer state; it targets the tolerance tier.
+
+Data parallelism (``parallel.data_parallel_size`` = DP > 1, launched with torchrun; see ``parallel.py``):
+
+6. grads accumulate into one flat fp32 buffer in Megatron's layout; after the last micro-batch's backward each
+   bucket is scaled by ``1/DP`` and all-reduced with SUM (Megatron DDP, ``finalize_model_grads``). Steps 2-5 then
+   run on every rank on identical grads. ``StepResult.loss`` is rank-local (the reference's report);
+   ``parallel.report_loss=dp_mean`` averages it over DP instead.
+7. ``parallel.zero_stage=1`` (ZeRO-1, Megatron's distributed optimizer): reduce-scatter instead of all-reduce;
+   each rank owns 1/DP of the padded buffer, computes the grad norm over its pieces in the distributed
+   optimizer's order (all-reduced), clips and updates only those pieces (AdamW state is sharded), then
+   all-gathers the params.
+
+Checkpoints hold full, unsharded per-parameter tensors keyed by parameter name (model weights and AdamW state),
+whatever DP and ZeRO stage wrote them, so ``torch.distributed.checkpoint`` can load them into another layout
+(DP=2 ZeRO-1 -> DP=1, ...).
 """
 
 from __future__ import annotations
@@ -21,10 +36,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
 from forgetrain.engine import StepResult
 from forgetrain.schedule import lr_for_step
 from scenarios.llama_tiny_cpu.model import Llama
+from scenarios.llama_tiny_cpu.parallel import GradBuffer, megatron_registration_order
 
 
 class Engine:
@@ -37,10 +54,47 @@ class Engine:
         self.device = torch.device(device)
         self.mcfg, self.tcfg = cfg.model, cfg.train
         self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic).to(self.device)
+        self.pcfg = cfg.parallel
+        self.dp_size, self.zero_stage = self.pcfg.data_parallel_size, self.pcfg.zero_stage
         self.completed_steps = 0
         self.adam_state: dict[str, dict] = {}
         self._last_grads: dict[str, torch.Tensor] | None = None
+        self.ddp: GradBuffer | None = None
         self.init_weights()
+        self._setup_data_parallel()
+
+    def _setup_data_parallel(self) -> None:
+        """Build the flat grad buffer for DP > 1 or ZeRO-1 (DP=1 ZeRO-0 keeps autograd's own ``.grad``)."""
+        p = self.pcfg
+        if self.dp_size == 1 and self.zero_stage == 0:
+            return
+        if p.tensor_parallel_size != 1:
+            raise NotImplementedError("llama_tiny_cpu: DP with TP > 1 is not implemented")
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world != self.dp_size:
+            raise RuntimeError(f"parallel.data_parallel_size={self.dp_size} but the process group has {world} "
+                               f"rank(s); launch with torchrun --nproc-per-node {self.dp_size}")
+        bucket = p.bucket_size
+        if bucket is None and p.overlap_grad_reduce:
+            bucket = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron's default with overlap on
+        self.ddp = GradBuffer(self._named(), megatron_registration_order(self.mcfg.num_layers),
+                              zero1=self.zero_stage >= 1, bucket_size=bucket, overlap=p.overlap_grad_reduce)
+        if self.zero_stage >= 1:
+            self._shard_adam_state()
+
+    def _shard_adam_state(self) -> None:
+        """ZeRO-1: AdamW moments live in two flat fp32 buffers of this rank's shard size; ``adam_state`` maps
+        each owned piece's parameter name to views of them."""
+        d = self.ddp
+        n = d.shard_numel()
+        self._m_shard = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self._v_shard = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self.adam_state = {}
+        for pc in d.pieces:
+            o = d.shard_offset(pc.buf_start)
+            k = pc.buf_end - pc.buf_start
+            self.adam_state[pc.name] = {"step": float(self.completed_steps), "exp_avg": self._m_shard[o:o + k],
+                                        "exp_avg_sq": self._v_shard[o:o + k]}
 
     # ---------------------------------------------------------------- parameters
     def _named(self) -> dict[str, torch.nn.Parameter]:
@@ -64,9 +118,13 @@ class Engine:
         self.model.to("cpu").reset_parameters(g)
         self.model.to(self.device)
         # optimizer state exists from the start so checkpoints have a fixed structure
+        self.completed_steps = 0
+        if getattr(self, "ddp", None) is not None and self.ddp.zero1:
+            self.ddp.rebind_params()
+            self._shard_adam_state()
+            return
         self.adam_state = {n: {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
                            for n, p in self._named().items()}
-        self.completed_steps = 0
 
     # ---------------------------------------------------------------- HF layout exchange
     def _to_hf(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -138,48 +196,96 @@ class Engine:
         return mb.to(self.device, non_blocking=True)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
-        """One optimizer step over ``micro_batches`` (each ``[b, s+1]`` int64). Returns StepResult."""
+        """One optimizer step over ``micro_batches`` (each ``[b, s+1]`` int64). Returns StepResult.
+
+        Under DP every rank calls this with its own micro-batches; the gradient reduction is collective, so a
+        rank that does not arrive makes the others fail after ``parallel.timeout_s``.
+        """
         self.model.train()
         named = self._named()
-        for p in named.values():
-            p.grad = None
+        if self.ddp is not None:
+            self.ddp.zero_grad()
+        else:
+            for p in named.values():
+                p.grad = None
         n = len(micro_batches)
         losses, per_token = [], []
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             mb = self._check(mb)
+            if self.ddp is not None:
+                self.ddp.arm(i == n - 1)
             with self._autocast():
                 tok_loss = self.model(mb[:, :-1], mb[:, 1:])  # [b, s] fp32
             loss = tok_loss.mean()
             (loss / n).backward()
             losses.append(loss.detach())
             per_token.append(tok_loss.detach())
-        grads = {k: named[k].grad for k in self._norm_order()}
-        self._last_grads = {k: g.clone() for k, g in grads.items()} if self.tcfg.digests else grads
-        # global grad norm, Megatron's arithmetic
-        norms = torch.norm(torch.tensor([torch.norm(g) for g in grads.values()]))
-        total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
-        grad_norm = total_sq.item() ** 0.5
-        if self.tcfg.clip_grad > 0:
-            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                for g in grads.values():
-                    g.copy_(g * coeff)
+        if self.ddp is not None:
+            self._sync_grads()
         lr = lr_for_step(self.tcfg, self.completed_steps)
-        self._adamw(named, lr)
+        if self.ddp is not None and self.ddp.zero1:
+            grad_norm = self._zero1_step(lr)
+        else:
+            grads = {k: named[k].grad for k in self._norm_order()}
+            self._last_grads = {k: g.clone() for k, g in grads.items()} if self.tcfg.digests else grads
+            # global grad norm, Megatron's arithmetic
+            norms = torch.norm(torch.tensor([torch.norm(g) for g in grads.values()]))
+            total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
+            grad_norm = total_sq.item() ** 0.5
+            self._clip(grads.values(), grad_norm)
+            self._adamw(named, lr)
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
+        if self.pcfg.report_loss == "dp_mean" and self.dp_size > 1:
+            loss_mean = loss_mean.detach().clone().reshape(1)
+            dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
+            loss_mean = loss_mean[0] / self.dp_size
         return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float())
 
+    def _sync_grads(self) -> None:
+        """DP gradient reduction (scale by 1/DP, then all-reduce or reduce-scatter each bucket)."""
+        self.ddp.finish_grad_sync()
+
+    def _clip(self, grads, grad_norm: float) -> None:
+        """Megatron's clip_grad_by_total_norm_fp32: ``g.copy_(g * coeff)`` only when ``coeff < 1``."""
+        if self.tcfg.clip_grad > 0:
+            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for g in grads:
+                    g.copy_(g * coeff)
+
+    def _zero1_step(self, lr: float) -> float:
+        """ZeRO-1 after the reduce-scatter: sharded norm, clip and AdamW on this rank's pieces, then all-gather.
+
+        The pre-clip grads exported for digests are the whole local buffer, as the reference's snapshot of
+        ``main_grad`` is: this rank's shard holds the reduced sum, the rest this rank's own scaled gradients.
+        """
+        d = self.ddp
+        grads = {k: d.view(d.grad_data, k) for k in self._norm_order()}
+        self._last_grads = {k: g.clone() for k, g in grads.items()} if self.tcfg.digests else grads
+        grad_norm = d.grad_norm_sq_shards().item() ** 0.5
+        pieces = [(pc, d.grad_data[pc.buf_start:pc.buf_end]) for pc in d.pieces]
+        self._clip([g for _, g in pieces], grad_norm)
+        with torch.no_grad():
+            self._adam_update([(self.adam_state[pc.name], d.param_data[pc.buf_start:pc.buf_end], g, pc.group == 0)
+                               for pc, g in pieces], lr)
+        d.gather_params()
+        return grad_norm
+
     @torch.no_grad()
     def _adamw(self, named: dict[str, torch.nn.Parameter], lr: float) -> None:
+        self._adam_update([(self.adam_state[name], p, p.grad, p.dim() > 1) for name, p in named.items()], lr)
+
+    @torch.no_grad()
+    def _adam_update(self, items, lr: float) -> None:
+        """torch AdamW single-tensor arithmetic over ``(state, param, grad, decayed)`` items (elementwise, so a
+        ZeRO-1 piece updates to the same bits as the whole tensor would)."""
         t = self.tcfg
         b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
-        for name, p in named.items():
-            g = p.grad
-            st = self.adam_state[name]
+        for st, p, g, decayed in items:
             st["step"] += 1.0
-            wd = t.weight_decay if p.dim() > 1 else 0.0
+            wd = t.weight_decay if decayed else 0.0
             if wd != 0:
                 p.mul_(1 - lr * wd)
             st["exp_avg"].lerp_(g, 1 - b1)
@@ -213,21 +319,45 @@ class Engine:
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
-        """Model + AdamW state + completed steps, plain tensors (torch.distributed.checkpoint-friendly)."""
+        """Model + AdamW state + completed steps, plain tensors (torch.distributed.checkpoint-friendly).
+
+        Layout, identical for every DP size and ZeRO stage (so DCP can load it into another layout):
+        ``{"model": {name: full param}, "optimizer": {name: {"step": float64 0-dim, "exp_avg": full,
+        "exp_avg_sq": full}}, "completed_steps": int64 0-dim}``. Under ZeRO-1 the moments are all-gathered first
+        (a collective: every rank must call this).
+        """
         opt = {}
-        for name, st in self.adam_state.items():
-            opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
-                         "exp_avg_sq": st["exp_avg_sq"]}
+        if self.ddp is not None and self.ddp.zero1:
+            d = self.ddp
+            m_full, v_full = d.gather_flat(self._m_shard), d.gather_flat(self._v_shard)
+            step = torch.tensor(float(self.completed_steps), dtype=torch.float64)
+            for name in self._named():
+                opt[name] = {"step": step.clone(), "exp_avg": d.view(m_full, name).clone(),
+                             "exp_avg_sq": d.view(v_full, name).clone()}
+        else:
+            for name, st in self.adam_state.items():
+                opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
+                             "exp_avg_sq": st["exp_avg_sq"]}
         return {"model": self.model.state_dict(), "optimizer": opt,
                 "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` written under any DP size / ZeRO stage (params are copied in place)."""
         self.model.load_state_dict(state["model"])
+        self.completed_steps = int(state["completed_steps"])
+        if self.ddp is not None and self.ddp.zero1:
+            self._shard_adam_state()
+            with torch.no_grad():
+                for pc in self.ddp.pieces:
+                    st, src = self.adam_state[pc.name], state["optimizer"][pc.name]
+                    st["step"] = float(src["step"])
+                    st["exp_avg"].copy_(src["exp_avg"].reshape(-1)[pc.start:pc.end])
+                    st["exp_avg_sq"].copy_(src["exp_avg_sq"].reshape(-1)[pc.start:pc.end])
+            return
         self.adam_state = {}
         for name, st in state["optimizer"].items():
             self.adam_state[name] = {"step": float(st["step"]), "exp_avg": st["exp_avg"].to(self.device),
                                      "exp_avg_sq": st["exp_avg_sq"].to(self.device)}
-        self.completed_steps = int(state["completed_steps"])
 
     # ---------------------------------------------------------------- probes
     def module_probes(self) -> dict[str, torch.nn.Module]:
