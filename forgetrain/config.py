@@ -45,10 +45,10 @@ class TrainConfig:
 
     micro_batch_size: int = 8  # samples per forward/backward
     global_batch_size: int = 16  # samples per optimizer step (= micro x grad-accum x DP)
-    steps: int = 300  # optimizer steps
+    steps: int = 500  # optimizer steps
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # floor of the cosine decay
-    lr_warmup_steps: int = 30  # linear warmup from 0 to lr (Megatron: lr at step s is lr*s/warmup)
+    lr_warmup_steps: int = 50  # linear warmup from 0 to lr (Megatron: lr at step s is lr*s/warmup)
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     lr_decay_steps: Optional[int] = None  # defaults to ``steps``
     weight_decay: float = 0.1  # decoupled (AdamW); applied to 2-D weights, not to norm weights
@@ -59,7 +59,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (bf16 params/activations, fp32 main weights and grads)
     seed: int = 1234  # init and data order
     deterministic: bool = True  # Megatron's deterministic mode: deterministic algorithms, no TF32
-    eval_interval: int = 50  # steps between validation-loss evaluations; 0 disables
+    eval_interval: int = 100  # steps between validation-loss evaluations; 0 disables
     eval_iters: int = 4  # validation micro-batches per evaluation
     log_interval: int = 1  # steps between progress-bar metric refreshes
     save_interval: int = 100  # steps between checkpoints; 0 saves only at the end

@@ -1,0 +1,415 @@
+"""A reference trainer built on DeepSpeed (ZeRO stage 1 or 2) and HF transformers' ``LlamaForCausalLM``.
+
+Everything numeric is the two frameworks' own code, used the way their documentation shows:
+
+* the model is ``transformers.LlamaForCausalLM`` built from ``cfg.model`` (eager attention, untied embeddings, no
+  biases), its loss is HF's own ``ForCausalLMLoss`` (``model.loss_function``, a token mean of
+  ``F.cross_entropy`` on fp32 logits);
+* ``deepspeed.initialize`` wraps it with ZeRO ``cfg.parallel.zero_stage`` (1, the default, or 2), bf16 when
+  ``train.precision=bf16``, ``gradient_accumulation_steps``, ``gradient_clipping`` and DeepSpeed's ``AdamW``
+  optimizer config with ``torch_adam: true`` (``torch.optim.AdamW``, the implementation the Megatron reference
+  falls back to as well);
+* each micro-batch runs ``engine(...)`` -> loss -> ``engine.backward(loss)`` -> ``engine.step()``; DeepSpeed divides
+  the loss by the accumulation steps, accumulates, and steps the optimizer (norm, clip, AdamW) at the boundary.
+
+The one piece written here is the learning-rate scheduler (:class:`MegatronLR`): DeepSpeed's ``WarmupCosineLR``
+has different warmup semantics (README.md, "Learning rate"), so a client scheduler that applies
+``forgetrain.schedule.lr_for_step`` is passed to ``deepspeed.initialize``; DeepSpeed calls its ``step()`` after
+every applied optimizer step, as it does for its own schedulers.
+
+Shapes: a micro-batch is ``[b, s+1]`` int64; the model sees ``input_ids [b, s]`` and predicts ``labels [b, s]``;
+activations are batch-first ``[b, s, h]`` (HF), unlike Megatron's and the forged engines' ``[s, b, h]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from forgetrain.config import RunConfig, grad_accum_steps
+from forgetrain.engine import StepResult, forward_names, hf_param_names
+from forgetrain.schedule import lr_for_step
+
+_PG_STORE_DIR: tempfile.TemporaryDirectory | None = None
+
+
+def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
+    """World-1 process group when none exists (a torchrun launch has already created one).
+
+    DeepSpeed reuses an initialised torch.distributed group; it insists on ``LOCAL_RANK`` being set (its
+    launchers set it), so a single process gets ``LOCAL_RANK=0`` when the variable is absent.
+    """
+    global _PG_STORE_DIR
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        _PG_STORE_DIR = tempfile.TemporaryDirectory(prefix="forgetrain-deepspeed-pg-")
+        store = dist.FileStore(os.path.join(_PG_STORE_DIR.name, "store"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def _import_deepspeed(device: torch.device):
+    """Import deepspeed with the accelerator matching ``device`` (``DS_ACCELERATOR`` is read once, at first use)."""
+    want = "cpu" if device.type == "cpu" else "cuda"
+    os.environ.setdefault("DS_ACCELERATOR", want)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    got = get_accelerator().device_name()
+    if got != want:
+        raise RuntimeError(f"DeepSpeed's accelerator is '{got}' but the engine runs on {device}; set "
+                           f"DS_ACCELERATOR={want} before deepspeed is first imported")
+    # DeepSpeed logs its config, memory use and timers at INFO on every engine; keep the harness's output readable.
+    logging.getLogger("DeepSpeed").setLevel(int(os.environ.get("FORGETRAIN_DS_LOG_LEVEL", logging.WARNING)))
+    return deepspeed
+
+
+class MegatronLR:
+    """DeepSpeed client LR scheduler with Megatron's ``OptimizerParamScheduler`` semantics (iteration units).
+
+    ``num_steps`` counts applied optimizer steps; the groups always hold ``lr_for_step(train, num_steps)``, so
+    update k (1-based) applies ``lr_at(k - 1)`` -- 0.0 for the first update under warmup, as in Megatron-LM.
+    DeepSpeed calls :meth:`step` after each applied (non-skipped) optimizer step.
+    """
+
+    def __init__(self, optimizer, train_cfg):
+        self.optimizer, self.train_cfg, self.num_steps = optimizer, train_cfg, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = lr_for_step(self.train_cfg, self.num_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        return self.get_lr()
+
+    def step(self, increment: int = 1) -> None:
+        self.num_steps += int(increment) if isinstance(increment, int) and increment > 0 else 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self._apply()
+
+
+def hf_llama_config(model_cfg, *, attn_implementation: str = "eager"):
+    """``transformers.LlamaConfig`` for a :class:`forgetrain.config.ModelConfig` (untied, no biases, SiLU)."""
+    from transformers import LlamaConfig
+
+    m = model_cfg
+    return LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups, head_dim=m.hidden_size // m.num_attention_heads,
+        max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base,
+        hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        tie_word_embeddings=False, initializer_range=m.init_method_std, use_cache=False,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None, attn_implementation=attn_implementation)
+
+
+class Engine:
+    """DeepSpeed + HF-Llama reference engine; implements :class:`forgetrain.engine.TrainEngine`.
+
+    Attributes: ``ds`` (the ``DeepSpeedEngine``), ``model`` (the ``LlamaForCausalLM`` it trains), ``scheduler``
+    (:class:`MegatronLR`), ``zero_stage``, ``steps_done``.
+    """
+
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        m, t, p = cfg.model, cfg.train, cfg.parallel
+        if t.precision not in ("fp32", "bf16"):
+            raise ValueError(f"train.precision must be fp32 or bf16, got {t.precision!r}")
+        if p.tensor_parallel_size != 1 or p.pipeline_parallel_size != 1 or p.context_parallel_size != 1:
+            raise ValueError("the DeepSpeed reference runs data parallelism only (TP = PP = CP = 1)")
+        # forgetrain's zero_stage=0 means "plain DDP" (the config default, Megatron's non-distributed optimizer);
+        # this reference is a ZeRO reference, and at stage 0 it runs its default, stage 1.
+        self.zero_stage = p.zero_stage or 1
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"the DeepSpeed reference runs ZeRO stage 1 or 2, got parallel.zero_stage={p.zero_stage}")
+        self.bf16 = t.precision == "bf16"
+        if self.device.type == "cuda":
+            if self.device.index is not None:
+                torch.cuda.set_device(self.device)
+            elif "LOCAL_RANK" in os.environ:
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            if t.deterministic:
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+                torch.use_deterministic_algorithms(True)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        elif self.device.type != "cpu":
+            raise ValueError(f"unsupported device {self.device}")
+
+        _init_process_group(cfg, self.device)
+        deepspeed = _import_deepspeed(self.device)
+        import torch.distributed as dist
+
+        self.dp_size = dist.get_world_size()
+        self.grad_accum = grad_accum_steps(cfg)
+        self.model = self._build_hf()  # seeded: deterministic in cfg.train.seed
+        named = dict(self.model.named_parameters())
+        self._names = hf_param_names(m.num_layers)
+        if set(named) != set(self._names):
+            raise RuntimeError(f"HF parameter names differ from the neutral layout: {sorted(set(named) ^ set(self._names))}")
+        # Megatron's (and HF Trainer's) weight-decay groups: every matrix decays, no 1-D (norm) weight does.
+        groups = [{"params": [q for q in named.values() if q.dim() > 1], "weight_decay": t.weight_decay},
+                  {"params": [q for q in named.values() if q.dim() <= 1], "weight_decay": 0.0}]
+        self.ds, _, _, _ = deepspeed.initialize(
+            model=self.model, model_parameters=groups, config=self.ds_config(),
+            lr_scheduler=lambda opt: MegatronLR(opt, t))
+        self.scheduler: MegatronLR = self.ds.lr_scheduler
+        self._init_optimizer_state()
+        self.steps_done = 0
+        self._last_grads: dict[str, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ construction
+    def ds_config(self) -> dict:
+        """The DeepSpeed config dict this engine runs (README.md, "DeepSpeed configuration")."""
+        t = self.cfg.train
+        conf = {
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": t.micro_batch_size * self.grad_accum * self.dp_size,
+            "gradient_clipping": float(t.clip_grad),
+            "zero_optimization": {"stage": self.zero_stage},
+            # torch_adam: torch.optim.AdamW (single-tensor on CPU, foreach on CUDA) instead of DeepSpeed's
+            # FusedAdam op; lr is a placeholder that MegatronLR overwrites before the first step.
+            "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2],
+                                                      "eps": t.adam_eps, "weight_decay": t.weight_decay,
+                                                      "torch_adam": True}},
+            "steps_per_print": 2 ** 31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if self.bf16:
+            conf["bf16"] = {"enabled": True}
+            if self.zero_stage == 1:
+                # fp32 gradient accumulation (DeepSpeed's BF16_Optimizer), as Megatron's fp32 main_grad buffers;
+                # ZeRO-2 has no such option and accumulates partitioned bf16 gradients (README.md).
+                conf["data_types"] = {"grad_accum_dtype": "fp32"}
+        return conf
+
+    def _build_hf(self):
+        """Seed and build a fresh fp32 ``LlamaForCausalLM`` (HF's init: N(0, init_method_std), norms at 1)."""
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(self.cfg.train.seed)
+        model = LlamaForCausalLM(hf_llama_config(self.cfg.model))
+        if model.config._attn_implementation != "eager":
+            raise RuntimeError(f"expected eager attention, got {model.config._attn_implementation}")
+        return model.to(dtype=torch.float32)
+
+    def _init_optimizer_state(self) -> None:
+        """Create torch AdamW's state (zeros, step 0) for every flat fp32 partition up front and let DeepSpeed link
+        it to the parameters. torch's AdamW treats such state exactly like fresh state; having it from the start
+        gives :meth:`state_dict` a fixed structure and lets :meth:`load_state_dict` restore it before any step."""
+        opt = self.ds.basic_optimizer
+        for group in opt.param_groups:
+            for q in group["params"]:
+                if not opt.state.get(q):
+                    opt.state[q] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                    "exp_avg": torch.zeros_like(q, memory_format=torch.preserve_format),
+                                    "exp_avg_sq": torch.zeros_like(q, memory_format=torch.preserve_format)}
+        link = getattr(self.ds.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is None:
+            raise RuntimeError(f"unexpected DeepSpeed optimizer {type(self.ds.optimizer).__name__}")
+        link()
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        named = dict(self.model.named_parameters())
+        return {n: named[n] for n in self._names}
+
+    # ------------------------------------------------------------------ TrainEngine
+    def init_weights(self) -> None:
+        """Reset to the initial state: the seeded HF init, zeroed Adam state, scheduler at step 0."""
+        self.load_hf_weights({n: q.detach() for n, q in self._build_hf().named_parameters()})
+        for st in self.ds.basic_optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+        self.scheduler.load_state_dict({"num_steps": 0})
+        self.steps_done = 0
+        self._last_grads = None
+
+    @torch.no_grad()
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 master weights (DeepSpeed's hp partitions) to ``state`` exactly and the model params to
+        their cast (bf16 under bf16). Adam state is not touched. Raises KeyError / ValueError."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for n, prm in self._params().items():
+            src = state[n]
+            if tuple(src.shape) != tuple(prm.shape):
+                raise ValueError(f"{n}: shape {tuple(src.shape)} != {tuple(prm.shape)}")
+            src = src.to(device=prm.device, dtype=torch.float32)
+            prm.data.copy_(src.to(prm.dtype))
+            safe_set_full_fp32_param(prm, src)
+
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        """fp32 HF-layout weights on CPU: DeepSpeed's fp32 master partitions, gathered (collective under DP)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(prm).detach().float().cpu().clone() for n, prm in self._params().items()}
+
+    def export_hf_grads(self) -> dict[str, torch.Tensor]:
+        """fp32 gradients of the last step, **before clipping**: DeepSpeed's accumulated (and DP-averaged)
+        gradients read with ``safe_get_full_grad`` after the last micro-batch's backward and before
+        ``engine.step()`` (which norms, clips and steps in one call). Raises RuntimeError before any step."""
+        if self._last_grads is None:
+            raise RuntimeError("export_hf_grads: no train_step has run yet")
+        return {n: g.cpu() for n, g in self._last_grads.items()}
+
+    def _check_batch(self, micro_batches: list[torch.Tensor]) -> None:
+        t, m = self.cfg.train, self.cfg.model
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"expected {self.grad_accum} micro-batches per step (DeepSpeed's "
+                             f"gradient_accumulation_steps), got {len(micro_batches)}")
+        want = (t.micro_batch_size, m.seq_length + 1)
+        for i, mb in enumerate(micro_batches):
+            if not isinstance(mb, torch.Tensor) or tuple(mb.shape) != want or mb.dtype != torch.int64:
+                got = (tuple(mb.shape), mb.dtype) if isinstance(mb, torch.Tensor) else type(mb)
+                raise ValueError(f"micro-batch {i}: expected int64 {list(want)}, got {got}")
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's causal-LM loss (token mean, fp32) and the per-token losses ``[b, s]`` (fp32, no grad)."""
+        v = self.cfg.model.vocab_size
+        loss = self.model.loss_function(logits=logits, labels=None, vocab_size=v, shift_labels=labels)
+        with torch.no_grad():
+            per_token = F.cross_entropy(logits.detach().float().view(-1, v), labels.reshape(-1),
+                                        reduction="none").view(labels.shape)
+        return loss, per_token
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        from deepspeed.utils import safe_get_full_grad
+
+        self._check_batch(micro_batches)
+        self.ds.train()
+        n = len(micro_batches)
+        losses, per_token = [], []
+        lr = None
+        for i, mb in enumerate(micro_batches):
+            mb = mb.to(self.device)
+            tokens, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()  # [b, s] each
+            logits = self.ds(input_ids=tokens).logits  # [b, s, V]
+            loss, tok = self._loss(logits, labels)
+            self.ds.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+            losses.append(loss.detach().float())
+            per_token.append(tok)
+            if i == n - 1:
+                # The accumulation boundary: the gradients are reduced; engine.step() norms, clips and steps.
+                self._last_grads = {nm: safe_get_full_grad(prm).detach().float().clone()
+                                    for nm, prm in self._params().items()}
+                lr = float(self.ds.basic_optimizer.param_groups[0]["lr"])
+            self.ds.step()
+        if not self.ds.was_step_applied():
+            raise FloatingPointError("DeepSpeed skipped the update (non-finite gradients)")
+        self.steps_done += 1
+        grad_norm = self.ds.get_global_grad_norm()
+        grad_norm = float(grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm)
+        loss = torch.stack(losses).mean()  # mean over micro-batches of each micro-batch's token mean
+        return StepResult(loss=float(loss.item()), grad_norm=grad_norm, lr=lr,
+                          per_token_loss=torch.stack(per_token).float().cpu())
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
+        """Mean over micro-batches of HF's token-mean loss (no grad, eval mode)."""
+        t, m = self.cfg.train, self.cfg.model
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            losses = []
+            for i, mb in enumerate(micro_batches):
+                if tuple(mb.shape) != (t.micro_batch_size, m.seq_length + 1):
+                    raise ValueError(f"micro-batch {i}: expected [{t.micro_batch_size}, {m.seq_length + 1}]")
+                mb = mb.to(self.device)
+                logits = self.model(input_ids=mb[:, :-1].contiguous()).logits
+                losses.append(self._loss(logits, mb[:, 1:].contiguous())[0].float())
+        finally:
+            self.model.train(was_training)
+        return float(torch.stack(losses).mean().item())
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [b, s], got {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.cfg.model.seq_length:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={self.cfg.model.seq_length}")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model(input_ids=tokens.to(self.device, dtype=torch.long)).logits
+        finally:
+            self.model.train(was_training)
+        return out.float()
+
+    def module_probes(self) -> dict[str, torch.nn.Module]:
+        """Neutral names -> HF submodules. Outputs are **batch-first** ``[b, s, h]`` (Megatron: ``[s, b, h]``), so
+        module digests never equal a sequence-first engine's; ``self_attention`` returns ``(out, weights)``."""
+        hf = self.model.model
+        probes: dict[str, torch.nn.Module] = {"embedding": hf.embed_tokens}
+        for i, layer in enumerate(hf.layers):
+            probes[f"layers.{i}.input_norm"] = layer.input_layernorm
+            probes[f"layers.{i}.self_attention"] = layer.self_attn
+            probes[f"layers.{i}.pre_mlp_norm"] = layer.post_attention_layernorm
+            probes[f"layers.{i}.mlp"] = layer.mlp
+        probes["final_norm"] = hf.norm
+        probes["output_layer"] = self.model.lm_head
+        return {n: probes[n] for n in forward_names(self.cfg.model.num_layers)}
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        """Plain nested dict (torch.distributed.checkpoint-friendly), full (gathered) tensors in HF names.
+
+        ``model``: fp32 master weights; ``optimizer``: name -> {exp_avg, exp_avg_sq} (fp32); ``adam_step``: torch
+        AdamW's step count (one for every flat partition); ``scheduler``: {num_steps}; ``step``: steps done.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        opt = {}
+        for n, prm in self._params().items():
+            opt[n] = {k: safe_get_full_optimizer_state(prm, k).detach().float().clone()
+                      for k in ("exp_avg", "exp_avg_sq")}
+        return {"step": int(self.steps_done), "scheduler": dict(self.scheduler.state_dict()),
+                "model": {n: safe_get_full_fp32_param(prm).detach().float().clone()
+                          for n, prm in self._params().items()},
+                "optimizer": opt, "adam_step": self._adam_step().clone()}
+
+    def _adam_step(self) -> torch.Tensor:
+        steps = {float(st["step"]) for st in self.ds.basic_optimizer.state.values()}
+        if len(steps) != 1:
+            raise RuntimeError(f"AdamW step counts differ across partitions: {sorted(steps)}")
+        return next(iter(self.ds.basic_optimizer.state.values()))["step"].detach().float().cpu()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` (weights, Adam moments and step, scheduler, step count)."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        self.load_hf_weights(state["model"])
+        with torch.no_grad():
+            for n, prm in self._params().items():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(prm, state["optimizer"][n][k].to(prm.device, torch.float32), k)
+            for st in self.ds.basic_optimizer.state.values():
+                st["step"].copy_(state["adam_step"].to(st["step"].device, st["step"].dtype))
+        self.scheduler.load_state_dict(dict(state["scheduler"]))
+        self.steps_done = int(state["step"])
+        self._last_grads = None
