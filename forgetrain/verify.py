@@ -63,7 +63,10 @@ def register() -> None:
 
 
 def _run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
+    """The configured run, cut to ``steps``: the LR schedule stays the full run's (lr_decay_steps pinned)."""
     c = copy.deepcopy(cfg)
+    if "steps" in train_overrides and cfg.train.lr_decay_steps is None:
+        train_overrides.setdefault("lr_decay_steps", max(cfg.train.steps, train_overrides["steps"]))
     c.train = dataclasses.replace(c.train, out_dir=str(out), sample_tokens=0, save_interval=0,
                                   **train_overrides)
     c.logger = dataclasses.replace(c.logger, name="none", plots=False)
