@@ -27,6 +27,23 @@ from forgetrain.trace import TraceWriter, read_trace, tensor_digest
 log = logging.getLogger("forgetrain")
 
 
+def set_deterministic(on: bool, device: str) -> None:
+    """Megatron's deterministic mode, process-wide and for both sides: deterministic algorithms, no TF32.
+
+    Needed on the CPU too: without it ``weight[ids]``'s backward (``index_put_`` with accumulate) adds repeated
+    tokens' gradients in a thread-dependent order, so even the reference does not reproduce itself at the
+    llama_tiny shape (measured 2026-11-29: two identical backward passes differed).
+    """
+    import os
+
+    if on and device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(bool(on), warn_only=False)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def config_hash(cfg: RunConfig) -> str:
     """Hash of everything that changes the numbers (model, train minus logging/io fields, data, parallel)."""
     import hashlib
@@ -121,6 +138,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     validate(cfg, world_size=env.world_size)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    set_deterministic(cfg.train.deterministic, cfg.hardware.device)
     device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     trace_dir, ckpt_root = out / "trace", out / "checkpoints"

@@ -124,3 +124,20 @@ def test_bf16_tolerance_with_oracle_still_rejects_mutants(mutant, ref_bf16, tmp_
     v = eq.tolerance(ref / "trace", _bf16_cand(ref, tmp_path, getattr(M, mutant)) / "trace",
                      eq.load_tier("tolerance"), oracle_dir=oracle / "trace")
     assert not v.passed, v.summary
+
+
+def test_default_tiny_shape_is_bitwise(tmp_path):
+    """The full llama_tiny_cpu shape (8 x 128 tokens per micro-batch): many repeated tokens exercise the
+    embedding-gradient accumulation order, which needs the harness's deterministic mode on CPU too."""
+    from hydra import compose, initialize_config_dir
+
+    from forgetrain.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = to_run_config(compose(config_name="config"))
+    v = VerifyConfig(steps=2)
+    ref = run_reference(cfg, v, tmp_path / "ref", 2)
+    cand = run_candidate(cfg, v, tmp_path / "cand", 2, ref / "init.safetensors")
+    verdict = eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise"))
+    assert verdict.passed, verdict.summary

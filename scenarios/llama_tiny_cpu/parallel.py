@@ -219,11 +219,12 @@ class GradBuffer:
     def grad_norm_sq_shards(self) -> torch.Tensor:
         """ZeRO-1: this rank's squared norm, Megatron's arithmetic, all-reduced (SUM) over DP: fp32 ``[1]``."""
         grads = [self.grad_data[p.buf_start:p.buf_end] for p in self.pieces]
+        dev = self.grad_data.device
         if grads:
             l2 = torch.norm(torch.tensor([[torch.norm(g) for g in grads]]))
-            total = torch.tensor([float(l2)], dtype=torch.float32) ** 2.0
+            total = torch.tensor([float(l2)], dtype=torch.float32, device=dev) ** 2.0
         else:
-            total = torch.zeros(1, dtype=torch.float32) ** 2.0
+            total = torch.zeros(1, dtype=torch.float32, device=dev) ** 2.0
         if self.world > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         return total
