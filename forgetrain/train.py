@@ -59,7 +59,8 @@ def config_hash(cfg: RunConfig) -> str:
 
 
 def versions() -> dict:
-    v = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    v = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     try:
         from importlib.metadata import version
 

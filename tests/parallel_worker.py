@@ -38,11 +38,11 @@ def compose(overrides: list[str]):
 
 
 def _reference_cls(cfg):
-    """The registry's reference engine; under ZeRO-1 its final checkpoint is skipped (the reference implements
-    state dicts for zero_stage=0 only), which changes no number."""
+    """The registry's reference engine; under ZeRO-1 or TP its final checkpoint is skipped (the reference
+    implements state dicts for zero_stage=0, TP=1 only), which changes no number."""
     from references.megatron.engine import Engine
 
-    if cfg.parallel.zero_stage == 0:
+    if cfg.parallel.zero_stage == 0 and cfg.parallel.tensor_parallel_size == 1:
         return Engine
 
     class ReferenceNoCheckpoint(Engine):
@@ -50,7 +50,7 @@ def _reference_cls(cfg):
             return {"step": torch.tensor(self.steps_done)}
 
         def load_state_dict(self, state):
-            raise NotImplementedError("reference ZeRO-1 checkpoints are not implemented")
+            raise NotImplementedError("reference ZeRO-1 / TP checkpoints are not implemented")
 
     return ReferenceNoCheckpoint
 

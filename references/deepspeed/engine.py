@@ -264,7 +264,17 @@ class Engine:
             safe_set_full_fp32_param(prm, src)
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        """fp32 HF-layout weights on CPU: DeepSpeed's fp32 master partitions, gathered (collective under DP)."""
+        """fp32 HF-layout weights on CPU: the fp32 master weights DeepSpeed's optimizer updates.
+
+        fp32: the model params themselves (after each step DeepSpeed copies the fp32 partitions into them and
+        all-gathers, so they equal the master bit for bit, on every rank; no collective). bf16: the fp32 master
+        partitions, gathered with ``safe_get_full_fp32_param``; at DP > 1 that is a collective, which the harness
+        (rank 0 only) cannot call, so it raises NotImplementedError there, as the Megatron reference does.
+        """
+        if not self.bf16:
+            return {n: prm.detach().float().cpu().clone() for n, prm in self._params().items()}
+        if self.dp_size > 1:
+            raise NotImplementedError("bf16 fp32-master export of a DP-sharded ZeRO optimizer needs a collective")
         from deepspeed.utils import safe_get_full_fp32_param
 
         return {n: safe_get_full_fp32_param(prm).detach().float().cpu().clone() for n, prm in self._params().items()}
@@ -325,6 +335,11 @@ class Engine:
         grad_norm = self.ds.get_global_grad_norm()
         grad_norm = float(grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm)
         loss = torch.stack(losses).mean()  # mean over micro-batches of each micro-batch's token mean
+        if self.dp_size > 1 and getattr(self.cfg.parallel, "report_loss", "local") == "dp_mean":
+            import torch.distributed as dist
+
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss = loss / self.dp_size
         return StepResult(loss=float(loss.item()), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float().cpu())
 

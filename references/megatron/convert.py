@@ -125,3 +125,61 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
     out["decoder.final_layernorm.weight"] = sd["model.norm.weight"].contiguous()
     out["output_layer.weight"] = sd["lm_head.weight"].contiguous()
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor parallelism: Megatron's per-rank shards <-> the full (TP=1) Megatron tensors. Pure slicing and
+# concatenation, no arithmetic. Megatron partitions each TP-parallel weight into TP contiguous chunks of its
+# ``partition_dim`` (``_initialize_affine_weight_cpu`` with stride 1; ``VocabUtility`` for the vocabulary):
+#
+#   embedding.word_embeddings.weight  [V/tp, h]        rows: vocab ids [r*V/tp, (r+1)*V/tp)   (VocabParallelEmbedding)
+#   output_layer.weight               [V/tp, h]        rows, as above                          (ColumnParallelLinear)
+#   self_attention.linear_qkv.weight  [ng/tp*(np/ng+2)*d, h]  rows: query groups [r*ng/tp, (r+1)*ng/tp) with
+#                                                      their q/k/v rows in the grouped order   (ColumnParallelLinear)
+#   self_attention.linear_proj.weight [h, np/tp*d]     columns: heads [r*np/tp, (r+1)*np/tp)  (RowParallelLinear)
+#   mlp.linear_fc1.weight             [2*ffn/tp, h]    [gate_r; up_r]: rank r's chunk of gate, then its chunk of
+#                                                      up (the local output is chunk(2)-ed into act(x0) * x1)
+#   mlp.linear_fc2.weight             [h, ffn/tp]      columns                                 (RowParallelLinear)
+#   *layernorm.weight                 [h]              replicated on every TP rank
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def tp_partition(name: str):
+    """How Megatron param ``name`` is split over TP ranks: 0 / 1 (that dim, contiguous chunks), ``"glu"``
+    (``linear_fc1``: gate and up halves chunked separately) or None (replicated)."""
+    if name.endswith("layernorm.weight"):
+        return None
+    if name.endswith("linear_fc1.weight"):
+        return "glu"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    if name.endswith(("linear_qkv.weight", "word_embeddings.weight")) or name == "output_layer.weight":
+        return 0
+    raise KeyError(f"no tensor-parallel partitioning known for {name}")
+
+
+def tp_split(name: str, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """The full (TP=1) Megatron tensor -> rank ``tp_rank``'s shard (contiguous copy). Raises ValueError when the
+    partitioned dim is not divisible by ``tp_size``."""
+    part = tp_partition(name)
+    if part is None or tp_size == 1:
+        return full.contiguous()
+    if part == "glu":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([tp_split("x.linear_qkv.weight", gate, tp_size, tp_rank),
+                          tp_split("x.linear_qkv.weight", up, tp_size, tp_rank)], dim=0).contiguous()
+    if full.shape[part] % tp_size:
+        raise ValueError(f"{name}: dim {part} of size {full.shape[part]} is not divisible by TP={tp_size}")
+    return full.chunk(tp_size, dim=part)[tp_rank].contiguous()
+
+
+def tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Every TP rank's shard (in TP-rank order) -> the full (TP=1) Megatron tensor; inverse of :func:`tp_split`.
+    A replicated tensor returns rank 0's copy."""
+    part = tp_partition(name)
+    if part is None or len(shards) == 1:
+        return shards[0].contiguous()
+    if part == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]).contiguous()
+    return torch.cat(shards, dim=part).contiguous()

@@ -273,8 +273,9 @@ class Engine:
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Set the weights from an HF-layout dict (fp32 recommended). bf16: model params get the bf16 rounding,
         the fp32 main params get the values as given (so export_hf_weights returns them exactly)."""
-        self._require_tp1("load_hf_weights")
         msd = convert.hf_to_megatron(state, self.cfg.model)
+        if self.tp_size > 1:  # this rank's shards (pure slicing, convert.tp_split)
+            msd = {n: convert.tp_split(n, t, self.tp_size, self.tp_rank) for n, t in msd.items()}
         with torch.no_grad():
             for n, prm in self._named_params().items():
                 src = msd[n]
@@ -285,19 +286,34 @@ class Engine:
                     self._main_param(prm).copy_(src.to(device=prm.device, dtype=torch.float32))
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        """fp32 HF-layout weights on CPU (bf16: the fp32 main params the optimizer updates)."""
-        self._require_tp1("export_hf_weights")
+        """fp32 HF-layout weights on CPU (bf16: the fp32 main params the optimizer updates). Under TP every rank
+        must call it (the shards are all-gathered over the TP group)."""
         sd = {n: self._main_param(prm).detach().float().cpu().clone() for n, prm in self._named_params().items()}
-        return convert.megatron_to_hf(sd, self.cfg.model)
+        return convert.megatron_to_hf(self._tp_merged(sd), self.cfg.model)
+
+    def _tp_merged(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-rank Megatron tensors -> full (TP=1) tensors: all-gather over the TP group, then
+        ``convert.tp_merge``. Identity at TP=1."""
+        if self.tp_size == 1:
+            return sd
+        import torch.distributed as dist
+
+        group = self._ps.get_tensor_model_parallel_group()
+        out = {}
+        for n, t in sd.items():
+            shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+            dist.all_gather(shards, t.contiguous(), group=group)
+            out[n] = convert.tp_merge(n, shards)
+        return out
 
     def export_hf_grads(self) -> dict[str, torch.Tensor]:
         """fp32 HF-layout gradients used by the last step: the DDP ``main_grad`` buffers after the last
         micro-batch's backward and ``finalize_model_grads``, **before** clipping (snapshot taken right before
         ``optimizer.step()``; Megatron clips the same buffers in place afterwards)."""
-        self._require_tp1("export_hf_grads")
         if self._last_grads is None:
             raise RuntimeError("export_hf_grads: no train_step has run yet")
-        return convert.megatron_to_hf({n: g.cpu() for n, g in self._last_grads.items()}, self.cfg.model)
+        return convert.megatron_to_hf(self._tp_merged({n: g.cpu() for n, g in self._last_grads.items()}),
+                                      self.cfg.model)
 
     def _check_batch(self, micro_batches: list[torch.Tensor]) -> None:
         t, m = self.cfg.train, self.cfg.model
@@ -351,9 +367,8 @@ class Engine:
         # finalize_model_grads (DP all-reduce; identity for DP=1) ran inside the schedule.
 
         # Pre-clip snapshot of the accumulated fp32 grads (Megatron clips main_grad in place in step()).
-        if self.tp_size == 1:
-            self._last_grads = {n: prm.main_grad.detach().float().clone()
-                                for n, prm in self._named_params().items()}
+        # (under TP each rank keeps its shards; export_hf_grads all-gathers them)
+        self._last_grads = {n: prm.main_grad.detach().float().clone() for n, prm in self._named_params().items()}
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # the lr this update applies
         update_successful, grad_norm, _ = self.optimizer.step()
         if not update_successful:
@@ -426,6 +441,7 @@ class Engine:
         state dict; ``step``: optimizer steps done.
         """
         self._require_plain_optimizer("state_dict")
+        self._require_tp1("state_dict")  # TP shards share names: DCP would take them for replicas
         sd: dict = {"step": int(self.steps_done), "scheduler": dict(self.scheduler.state_dict())}
         sd["model"] = {n: prm.detach().clone() for n, prm in self._named_params().items()}
         if self.bf16:
@@ -447,6 +463,7 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` through Megatron's own optimizer / scheduler ``load_state_dict``."""
         self._require_plain_optimizer("load_state_dict")
+        self._require_tp1("load_state_dict")
         with torch.no_grad():
             for n, prm in self._named_params().items():
                 prm.copy_(state["model"][n].to(device=prm.device, dtype=prm.dtype))
@@ -475,7 +492,7 @@ class Engine:
     # ------------------------------------------------------------------ guards
     def _require_tp1(self, what: str) -> None:
         if self.tp_size != 1:
-            raise NotImplementedError(f"{what}: HF conversion of TP-sharded weights is not implemented (TP=1 only)")
+            raise NotImplementedError(f"{what}: TP-sharded checkpoints are not implemented (TP=1 only)")
 
     def _require_plain_optimizer(self, what: str) -> None:
         if self.ddp_config.use_distributed_optimizer:
