@@ -131,7 +131,7 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
 
     if tier_name not in TIERS:
         raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(TIERS)}")
-    tier_cfg = dict(tier_cfg or eq.load_tier(tier_name))
+    tier_cfg = _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), vcfg.reference, tier_name)
     out.mkdir(parents=True, exist_ok=True)
     if tier_name in ("bitwise", "tolerance"):
         steps = vcfg.steps
@@ -155,7 +155,8 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
                 oracle = run_candidate_ref_oracle(fp32, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
             verdicts = [eq.tolerance(ref / "trace", cand / "trace", tier_cfg,
                                      oracle_dir=oracle / "trace" if oracle else None)]
-        eq.write_report(verdicts, out, [ref / "trace"], cand / "trace")
+        if _is_rank0():
+            eq.write_report(verdicts, out, [ref / "trace"], cand / "trace")
         return verdicts
     # loss_curve / surpass
     steps = vcfg.curve_steps
@@ -171,8 +172,38 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
 
         t_ref, t_cand = interleaved_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
         verdicts.append(eq.surpass(verdicts[0], t_ref, t_cand, tier_cfg))
-    eq.write_report(verdicts, out, refs, cand)
+    if _is_rank0():
+        eq.write_report(verdicts, out, refs, cand)
     return verdicts
+
+
+def _is_rank0() -> bool:
+    """True outside torchrun and on global rank 0 (under torchrun only rank 0 writes the report)."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _with_reference_overrides(tier_cfg: dict, reference: str, tier_name: str) -> dict:
+    """Merge a reference's own, versioned tier entry (``references/<name>/<tier>.yaml``, key ``<tier>``) over the
+    tier config. Used where a reference's arithmetic is measured to differ (e.g. DeepSpeed's fp64 grad norm vs
+    Megatron's fp32 one); the file carries the measurement that justifies each number."""
+    path = GOLDEN_ROOT.parent / reference / f"{tier_name}.yaml"
+    if not path.exists():
+        return tier_cfg
+    from omegaconf import OmegaConf
+
+    over = OmegaConf.to_container(OmegaConf.load(path), resolve=True).get(tier_name) or {}
+
+    def merge(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
+        return out
+
+    merged = merge(tier_cfg, over)
+    merged["reference_override"] = str(path.relative_to(GOLDEN_ROOT.parent.parent))
+    return merged
 
 
 def _store_golden(ref_out: Path, gdir: Path) -> None:
@@ -200,10 +231,14 @@ def verify_task(cfg) -> None:
     vcfg = VerifyConfig(**vd)
     if not isinstance(td, dict) or "name" not in td:
         raise ConfigError("choose a tier: tier=bitwise|tolerance|loss_curve|surpass")
-    out = Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc)
+    from forgetrain.distributed import init_distributed
+
+    env = init_distributed(rc.parallel)  # under torchrun: every rank runs both sides; rank 0 reports
+    out = Path(env.broadcast_object(str(Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc))))
     verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
-    eq.print_verdict_table(verdicts)
-    print(f"report: {out / 'verdict.json'}  plot: {out / 'loss_curves.png'}", file=sys.stderr)
+    if env.rank == 0:
+        eq.print_verdict_table(verdicts)
+        print(f"report: {out / 'verdict.json'}  plot: {out / 'loss_curves.png'}", file=sys.stderr)
     sys.exit(0 if all(v.passed for v in verdicts) else 1)
 
 

@@ -70,6 +70,13 @@ def _import_deepspeed(device: torch.device):
     if got != want:
         raise RuntimeError(f"DeepSpeed's accelerator is '{got}' but the engine runs on {device}; set "
                            f"DS_ACCELERATOR={want} before deepspeed is first imported")
+    if want == "cpu" and os.environ.get("FORGETRAIN_DS_SHM_COMM", "0") != "1":
+        # DeepSpeed's CPU communication backend JIT-compiles a shared-memory all-reduce op (C++, ~1-2 min on first
+        # use) that serves its inference all-reduce only; training collectives go through torch.distributed
+        # (gloo) either way. Marking the op incompatible (DeepSpeed keeps this dict editable) skips the build.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed logs its config, memory use and timers at INFO on every engine; keep the harness's output readable.
     logging.getLogger("DeepSpeed").setLevel(int(os.environ.get("FORGETRAIN_DS_LOG_LEVEL", logging.WARNING)))
     return deepspeed
@@ -169,7 +176,8 @@ class Engine:
         named = dict(self.model.named_parameters())
         self._names = hf_param_names(m.num_layers)
         if set(named) != set(self._names):
-            raise RuntimeError(f"HF parameter names differ from the neutral layout: {sorted(set(named) ^ set(self._names))}")
+            diff = sorted(set(named) ^ set(self._names))
+            raise RuntimeError(f"HF parameter names differ from the neutral layout: {diff}")
         # Megatron's (and HF Trainer's) weight-decay groups: every matrix decays, no 1-D (norm) weight does.
         groups = [{"params": [q for q in named.values() if q.dim() > 1], "weight_decay": t.weight_decay},
                   {"params": [q for q in named.values() if q.dim() <= 1], "weight_decay": 0.0}]
@@ -200,11 +208,10 @@ class Engine:
             "wall_clock_breakdown": False,
         }
         if self.bf16:
+            # bf16 params and activations, fp32 master weights; gradients accumulate in fp32 as in Megatron's
+            # main_grad buffers (ZeRO-1: DeepSpeed's BF16_Optimizer; ZeRO-2: fp32 partitioned grad buffers).
             conf["bf16"] = {"enabled": True}
-            if self.zero_stage == 1:
-                # fp32 gradient accumulation (DeepSpeed's BF16_Optimizer), as Megatron's fp32 main_grad buffers;
-                # ZeRO-2 has no such option and accumulates partitioned bf16 gradients (README.md).
-                conf["data_types"] = {"grad_accum_dtype": "fp32"}
+            conf["data_types"] = {"grad_accum_dtype": "fp32"}
         return conf
 
     def _build_hf(self):
