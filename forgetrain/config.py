@@ -94,7 +94,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # TP
     pipeline_parallel_size: int = 1  # PP (not yet supported by forged engines)
     context_parallel_size: int = 1  # CP (not yet supported by forged engines)
-    zero_stage: int = 0  # 0 = plain DDP, 1 = distributed optimizer (ZeRO-1: AdamW state sharded over DP)
+    zero_stage: int = 0  # 0 = DDP, 1 = distributed optimizer (ZeRO-1), 3 = torch FSDP2 (forged engines only)
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: int = 300  # collective timeout: a dead rank ends the job instead of hanging it
     overlap_grad_reduce: bool = False  # forged engines: launch each grad bucket's collective during backward
@@ -283,15 +283,20 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
             f"PP{p.pipeline_parallel_size} x CP{p.context_parallel_size} = {sizes} does not match the world "
             f"size {world_size}; launch with torchrun --nproc-per-node {sizes} or change parallel.*")
     if p.tensor_parallel_size > 1 and (m.num_query_groups % p.tensor_parallel_size
-                                       or m.ffn_hidden_size % p.tensor_parallel_size):
-        raise ConfigError(f"TP={p.tensor_parallel_size} must divide model.num_query_groups and "
-                          f"model.ffn_hidden_size")
-    if p.zero_stage not in (0, 1):
-        raise ConfigError(f"parallel.zero_stage must be 0 (DDP) or 1 (distributed optimizer), got {p.zero_stage}")
+                                       or m.ffn_hidden_size % p.tensor_parallel_size
+                                       or m.vocab_size % p.tensor_parallel_size):
+        raise ConfigError(f"TP={p.tensor_parallel_size} must divide model.num_query_groups, "
+                          f"model.ffn_hidden_size and model.vocab_size")
+    if p.zero_stage not in (0, 1, 3):
+        raise ConfigError(f"parallel.zero_stage must be 0 (DDP), 1 (distributed optimizer) or 3 (FSDP2), "
+                          f"got {p.zero_stage}")
     if p.report_loss not in ("local", "dp_mean"):
         raise ConfigError(f"parallel.report_loss must be local or dp_mean, got '{p.report_loss}'")
     if p.bucket_size is not None and p.bucket_size <= 0:
         raise ConfigError(f"parallel.bucket_size must be positive or null, got {p.bucket_size}")
+    if p.zero_stage == 3 and p.tensor_parallel_size != 1:
+        raise ConfigError("parallel.zero_stage=3 (FSDP2) is implemented with TP=1 only; set "
+                          "parallel.tensor_parallel_size=1")
     if p.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
     if p.pipeline_parallel_size > 1 or p.context_parallel_size > 1:

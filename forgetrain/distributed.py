@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,7 @@ def collective_errors(timeout_s: int | float):
         if not multi or isinstance(e, ForgeTrainError) or not _is_collective_failure(e):
             raise
         first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        print(file=sys.stderr, flush=True)  # end a progress-bar line, so "error: ..." starts its own line
         raise CollectiveError(
             f"rank {dist.get_rank()}/{dist.get_world_size()}: a collective failed, so a peer rank died, hung "
             f"longer than parallel.timeout_s={timeout_s} s or became unreachable; stopping this rank "

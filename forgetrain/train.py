@@ -162,12 +162,14 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     engine = (engine_cls or registry.load_engine_class(kind, name))(cfg, device)
     if init_hf is not None:
         engine.load_hf_weights(init_hf)
-    if export_init and env.rank == 0 and not cfg.train.resume:
+    if export_init and not cfg.train.resume:
         from safetensors.torch import save
 
         from forgetrain.trace import atomic_write_bytes
 
-        atomic_write_bytes(out / "init.safetensors", save(engine.export_hf_weights()))
+        init_sd = engine.export_hf_weights()  # every rank: a TP engine all-gathers its shards
+        if env.rank == 0:
+            atomic_write_bytes(out / "init.safetensors", save(init_sd))
 
     t, p = cfg.train, cfg.parallel
     ga = grad_accum_steps(cfg)
@@ -277,9 +279,15 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     if writer:
         writer.flush()
     summary = {}
+    # Exports and the sample are collectives for a TP or FSDP engine: every rank takes part, rank 0 writes.
+    tp_collective = p.tensor_parallel_size > 1 or p.zero_stage == 3
+    final_sd = engine.export_hf_weights() if stop == t.steps and final_params else None
+    sample = None
+    if stop == t.steps and t.sample_tokens and kind == "scenarios" and (env.rank == 0 or tp_collective):
+        sample = _sample_text(engine, load_tokenizer(data.tokenizer_path), cfg, device)
     if env.rank == 0 and stop == t.steps:
         if final_params:
-            writer.write_final_params(engine.export_hf_weights())
+            writer.write_final_params(final_sd)
         recs = writer.records
         summary = {"first_loss": first_loss, "last_loss": recs[-1]["loss"] if recs else None,
                    "val_loss": val_loss, "steps": t.steps, "ln_vocab": float(torch.log(torch.tensor(
@@ -288,8 +296,8 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
             steady = recs[min(len(recs) - 1, 2):]
             summary["median_tokens_per_s"] = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
             summary["median_mfu_pct"] = sorted(r["mfu_pct"] for r in steady)[len(steady) // 2]
-        if t.sample_tokens and kind == "scenarios":
-            summary["sample"] = _sample_text(engine, load_tokenizer(data.tokenizer_path), cfg, device)
+        if sample is not None:
+            summary["sample"] = sample
         from forgetrain.trace import atomic_write_json
 
         atomic_write_json(out / "summary.json", summary)

@@ -58,17 +58,6 @@ class WrongGatherOrder(Good):
         d.gather_params = gather_params
 
 
-class ForwardNormOrder(Good):
-    """ZeRO-1: grad-norm terms in registration (forward) order instead of the distributed optimizer's buffer
-    order. Mathematically the same norm; the fp32 sum rounds differently."""
-
-    def __init__(self, cfg, device):
-        super().__init__(cfg, device)
-        d = self.ddp
-        rank = {n: i for i, n in enumerate(d.order)}
-        d.pieces.sort(key=lambda pc: (pc.group, rank[pc.name]))
-
-
 class ForgetsAdamState(Good):
     """Resume bug: loads the weights but restarts AdamW's moments from zero (the step count is kept)."""
 
@@ -77,3 +66,36 @@ class ForgetsAdamState(Good):
         for st in self.adam_state.values():
             st["exp_avg"].zero_()
             st["exp_avg_sq"].zero_()
+
+
+class ContiguousFc1Split(Good):
+    """TP: fc1 split into contiguous row chunks (rank 0 gets only gate rows) instead of [gate_r; up_r]."""
+
+    def _load_full(self, full):
+        super()._load_full(full)
+        if self.tp.size > 1:
+            named = self._named()
+            with torch.no_grad():
+                for k, v in full.items():
+                    if k.endswith("mlp.fc1"):
+                        named[k].copy_(v.chunk(self.tp.size, dim=0)[self.tp.rank])
+
+
+class NormWeightsCountedPerTPRank(Good):
+    """TP: the replicated norm weights enter the grad norm once per TP rank (Megatron counts them once)."""
+
+    def _grad_norm(self, grads):
+        norms = torch.norm(torch.tensor([torch.norm(g) for g in grads.values()]))
+        total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
+        self.tp.all_reduce(total_sq)
+        return total_sq.item() ** 0.5
+
+
+class FSDPDoubleAverage(Good):
+    """FSDP2: divides the (already averaged) reduce-scattered grads by DP a second time."""
+
+    def _fsdp_step(self, named, lr):
+        with torch.no_grad():
+            for p in named.values():
+                p.grad.to_local().div_(self.dp_size)
+        return super()._fsdp_step(named, lr)

@@ -21,8 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,24 +33,6 @@ def compose(overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return to_run_config(hcompose(config_name="config", overrides=list(overrides)))
-
-
-def _reference_cls(cfg):
-    """The registry's reference engine; under ZeRO-1 or TP its final checkpoint is skipped (the reference
-    implements state dicts for zero_stage=0, TP=1 only), which changes no number."""
-    from references.megatron.engine import Engine
-
-    if cfg.parallel.zero_stage == 0 and cfg.parallel.tensor_parallel_size == 1:
-        return Engine
-
-    class ReferenceNoCheckpoint(Engine):
-        def state_dict(self):
-            return {"step": torch.tensor(self.steps_done)}
-
-        def load_state_dict(self, state):
-            raise NotImplementedError("reference ZeRO-1 / TP checkpoints are not implemented")
-
-    return ReferenceNoCheckpoint
 
 
 def run_job(job: dict) -> Path:
@@ -69,8 +49,7 @@ def run_job(job: dict) -> Path:
     out = Path(job["out"])
     run_cfg = _run_cfg(cfg, out, **over)
     if job["side"] == "reference":
-        return train(run_cfg, kind="references", engine_name="megatron", progress=False, export_init=True,
-                     engine_cls=_reference_cls(cfg))
+        return train(run_cfg, kind="references", engine_name="megatron", progress=False, export_init=True)
     engine_cls = None
     if job.get("engine"):
         mod, cls = job["engine"].split(":")

@@ -14,12 +14,17 @@ Gates, each with a mutant it rejects (tests/parallel_mutants.py):
   tolerance; mutant: a resume that forgets the AdamW moments.
 * two torchrun launchers joined by c10d rendezvous (``--nnodes 2``) write the same trace as one launcher; the
   comparison rejects a run where one rank re-used another's data.
-* a killed rank ends the other launcher non-zero, with a one-line message, within 60 s.
+* forged TP=2 vs reference TP=2: **bitwise** (mutants: fc1 split without the gate/up interleave, replicated
+  norm weights counted per TP rank); TP=2 vs TP=1 and its checkpoint resumed at TP=1: tolerance.
+* FSDP2 (``parallel=fsdp2``, zero_stage=3) vs DP=2: tolerance (mutant: grads averaged twice); its DTensor-sharded checkpoint
+  resumes at DP=1.
+* DP=2 x TP=2 through ``torchrun -m forgetrain.verify``: bitwise with a resume (slow).
+* a killed (or, slow, a hung) rank ends the other launcher non-zero, with a one-line message, within 60 s.
 * ``torchrun -m forgetrain parallel=dp2``: only rank 0 reports, every rank writes its DCP shard, DP=1 resumes it.
 
-Most runs share one torchrun launch (``dp2`` fixture, about a minute) to pay the imports once.
-Shapes: llama_micro (2 layers, width 64, GQA 4/2), micro-batch 2 x grad-accum 2 x DP 2 = global batch 8,
-warmup 2, clipping active.
+Most runs share one two-rank torchrun launch (``dp2`` fixture, about a minute) to pay the imports once.
+Shapes: llama_micro (2 layers, width 64, GQA 4/2), micro-batch 2 x grad-accum 2 x DP 2 = global batch 8
+(TP: x DP 1 = 4), warmup 2, clipping active, 8 steps.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ BASE = ["model=llama_micro", f"train.steps={STEPS}", "train.micro_batch_size=2",
         "train.lr_warmup_steps=2"]
 DP2 = ["parallel=dp2", *BASE]
 Z1 = ["parallel=dp2_zero1", *BASE]
+TP_BASE = [*BASE[:2], "train.micro_batch_size=2", "train.global_batch_size=4", "train.lr_warmup_steps=2"]
+TP2 = ["parallel=tp2", *TP_BASE]
+FSDP = ["parallel=fsdp2", *BASE]
 MEAN = ["parallel.report_loss=dp_mean"]
 M = "tests.parallel_mutants:"
 
@@ -75,19 +83,42 @@ def _errors(p: subprocess.CompletedProcess) -> str:
     return "\n".join(lines[-60:])
 
 
-def run_jobs(jobs: list[dict], tmp: Path, cache: str) -> None:
+def run_jobs(jobs: list[dict], tmp: Path, cache: str) -> subprocess.CompletedProcess:
     spec = tmp / f"jobs_{len(list(tmp.glob('jobs_*.json')))}.json"
     spec.write_text(json.dumps(jobs))
-    p = torchrun(["-m", "tests.parallel_worker", str(spec)], _env(cache))
-    assert p.returncode == 0, _errors(p)
+    return torchrun(["-m", "tests.parallel_worker", str(spec)], _env(cache))
+
+
+class Runs(dict):
+    """``name -> output dir`` of one launch; indexing a run whose trace is missing fails with the launch's log
+    (so one broken job fails its own tests, not the module)."""
+
+    def __init__(self, dirs: dict, proc: subprocess.CompletedProcess, launch_s: float):
+        super().__init__(dirs)
+        self.proc, self.launch_s = proc, launch_s
+
+    def __getitem__(self, name: str) -> Path:
+        out = super().__getitem__(name)
+        if not (out / "trace" / "trace.jsonl").exists():
+            pytest.fail(f"run {name!r} did not finish (launch rc={self.proc.returncode}):\n{_errors(self.proc)}")
+        return out
 
 
 def bitwise(ref: Path, cand: Path):
     return eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise"))
 
 
-def tolerance(ref: Path, cand: Path):
-    return eq.tolerance(ref / "trace", cand / "trace", eq.load_tier("tolerance"))
+def tolerance(ref: Path, cand: Path, tier: dict | None = None):
+    return eq.tolerance(ref / "trace", cand / "trace", tier or eq.load_tier("tolerance"))
+
+
+def layout_tolerance() -> dict:
+    """conf/tier/tolerance.yaml with the layout entry merged in (rationale: scenarios/llama_tiny_cpu/
+    tolerance_layouts.yaml; the fp32 grad norm of a TP- or FSDP-split tensor rounds differently)."""
+    from omegaconf import OmegaConf
+
+    entry = OmegaConf.to_container(OmegaConf.load(ROOT / "scenarios" / "llama_tiny_cpu" / "tolerance_layouts.yaml"))
+    return eq.tiers._merge(eq.load_tier("tolerance"), entry["tolerance"])
 
 
 @pytest.fixture(scope="module")
@@ -98,22 +129,21 @@ def cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory, cache):
-    """One two-rank launch: the reference (ZeRO-0 and ZeRO-1), the forged engine, its mutants and the
-    checkpointed halves of the resume gates. Returns ``{name: out_dir}``."""
+    """One two-rank launch: the reference (DP=2 ZeRO-0, DP=2 ZeRO-1, TP=2), the forged engine, its mutants and
+    the checkpointed halves of the resume gates. Returns ``{name: out_dir}`` (a :class:`Runs`)."""
     tmp = tmp_path_factory.mktemp("dp2")
-    d = {n: tmp / n for n in ("ref", "ref_z1", "cand", "no_scale", "dropped_rank", "dup_shard", "overlap",
-                              "cand_mean", "no_scale_mean", "dropped_rank_mean", "cand_part", "cand_z1",
-                              "z1_part", "z1_gather", "z1_fwd_norm", "mean_part", "z1_mean_part")}
-    init = str(d["ref"] / "init.safetensors")
+    names = ("ref", "ref_z1", "cand", "no_scale", "dropped_rank", "dup_shard", "overlap", "cand_mean",
+             "no_scale_mean", "dropped_rank_mean", "cand_part", "cand_z1", "z1_part", "z1_gather", "mean_part",
+             "z1_mean_part", "ref_tp2", "cand_tp2", "tp_fc1", "tp_norm", "tp_part", "fsdp", "fsdp_double_avg",
+             "fsdp_part", "ref_z1_part", "ref_tp2_part")
+    d = {n: tmp / n for n in names}
 
-    def cand(name, over, engine=None, **kw):
-        return {"side": "candidate", "out": str(d[name]), "init": init, "overrides": over,
-                **({"engine": M + engine} if engine else {}), **kw}
+    def cand(name, over, engine=None, init="ref", **kw):
+        return {"side": "candidate", "out": str(d[name]), "init": str(d[init] / "init.safetensors"),
+                "overrides": over, **({"engine": M + engine} if engine else {}), **kw}
 
-    t0 = time.perf_counter()
-    run_jobs([
+    jobs = [
         {"side": "reference", "out": str(d["ref"]), "overrides": DP2},
-        {"side": "reference", "out": str(d["ref_z1"]), "overrides": Z1},
         cand("cand", DP2),
         cand("no_scale", DP2, "NoDPScale"),
         cand("dropped_rank", DP2, "DroppedRankGrads"),
@@ -123,17 +153,60 @@ def dp2(tmp_path_factory, cache):
         cand("no_scale_mean", [*DP2, *MEAN], "NoDPScale", digests=False),
         cand("dropped_rank_mean", [*DP2, *MEAN], "DroppedRankGrads", digests=False),
         cand("cand_part", DP2, stop_after=4), cand("cand_part", DP2, resume=True),
+        cand("mean_part", [*DP2, *MEAN], digests=False, stop_after=4),
+        {"side": "reference", "out": str(d["ref_z1"]), "overrides": Z1},
+        {"side": "reference", "out": str(d["ref_z1_part"]), "overrides": Z1, "stop_after": 4},
+        {"side": "reference", "out": str(d["ref_z1_part"]), "overrides": Z1, "resume": True},
         cand("cand_z1", Z1),
         cand("z1_part", Z1, stop_after=4), cand("z1_part", Z1, resume=True),
         cand("z1_gather", Z1, "WrongGatherOrder"),
-        cand("z1_fwd_norm", Z1, "ForwardNormOrder"),
-        cand("mean_part", [*DP2, *MEAN], digests=False, stop_after=4),
         cand("z1_mean_part", [*Z1, *MEAN], digests=False, stop_after=4),
-    ], tmp, cache)
-    d["_launch_s"] = time.perf_counter() - t0
-    d["_cache"] = cache
-    print(f"dp2 launch ({len(d) - 2} runs): {d['_launch_s']:.1f} s")
-    return d
+        {"side": "reference", "out": str(d["ref_tp2"]), "overrides": TP2},
+        {"side": "reference", "out": str(d["ref_tp2_part"]), "overrides": TP2, "stop_after": 4},
+        {"side": "reference", "out": str(d["ref_tp2_part"]), "overrides": TP2, "resume": True},
+        cand("cand_tp2", TP2, init="ref_tp2"),
+        cand("tp_fc1", TP2, "ContiguousFc1Split", init="ref_tp2"),
+        cand("tp_norm", TP2, "NormWeightsCountedPerTPRank", init="ref_tp2"),
+        cand("tp_part", TP2, init="ref_tp2", digests=False, stop_after=4),
+        cand("fsdp", [*FSDP, *MEAN, "train.eval_interval=3"], digests=False),  # eval between steps too
+        cand("fsdp_double_avg", [*FSDP, *MEAN], "FSDPDoubleAverage", digests=False),
+        cand("fsdp_part", [*FSDP, *MEAN], digests=False, stop_after=4),
+    ]
+    t0 = time.perf_counter()
+    p = run_jobs(jobs, tmp, cache)
+    runs = Runs(d, p, time.perf_counter() - t0)
+    print(f"two-rank launch ({len(jobs)} runs): {runs.launch_s:.1f} s")
+    return runs
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize("override,msg", [
+    ("parallel.zero_stage=2", "parallel.zero_stage must be 0"),
+    ("parallel.report_loss=sum", "parallel.report_loss must be local or dp_mean"),
+    ("parallel.bucket_size=0", "parallel.bucket_size must be positive"),
+    ("parallel.timeout_s=0", "parallel.timeout_s must be positive"),
+    ("parallel=fsdp2 parallel.tensor_parallel_size=2", "parallel.zero_stage=3 (FSDP2) is implemented with TP=1"),
+    ("parallel=tp2 model.vocab_size=4095", "TP=2 must divide"),
+])
+def test_parallel_config_errors_are_one_line(override, msg):
+    from forgetrain.config import validate
+    from forgetrain.errors import ConfigError
+    from tests.parallel_worker import compose
+
+    cfg = compose(override.split())
+    world = cfg.parallel.data_parallel_size * cfg.parallel.tensor_parallel_size
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=world)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_parallel_layout_must_match_the_world_size():
+    from forgetrain.config import validate
+    from forgetrain.errors import ConfigError
+    from tests.parallel_worker import compose
+
+    with pytest.raises(ConfigError, match="launch with torchrun --nproc-per-node 2"):
+        validate(compose(["parallel=dp2"]), world_size=1)
 
 
 # ------------------------------------------------------------------ DP=2 bitwise vs the reference
@@ -244,7 +317,10 @@ def test_dp2_vs_dp1_rejects_a_duplicated_shard(dp2):
 
 # ------------------------------------------------------------------ resume
 def test_resume_dp2_to_dp2_is_bitwise(dp2):
-    for part, full in (("cand_part", "cand"), ("z1_part", "cand_z1")):
+    """The forged engine (ZeRO-0, ZeRO-1) and the reference's own distributed-optimizer and TP=2 checkpoints
+    (gathered into the same DP/TP-independent layout) resume to the bit."""
+    for part, full in (("cand_part", "cand"), ("z1_part", "cand_z1"), ("ref_z1_part", "ref_z1"),
+                       ("ref_tp2_part", "ref_tp2")):
         v = bitwise(dp2[full], dp2[part])
         assert v.passed, (part, v.summary)
 
@@ -276,6 +352,84 @@ def test_resume_at_dp1_rejects_forgotten_adam_state(dp2, tmp_path):
     assert not v.passed, v.summary
 
 
+# ------------------------------------------------------------------ TP=2
+def test_forged_tp2_matches_reference_tp2_bitwise(dp2):
+    v = bitwise(dp2["ref_tp2"], dp2["cand_tp2"])
+    assert v.passed, v.summary
+    assert v.evidence["digests"]["compared"] and v.evidence["modules"]["compared"]
+
+
+@pytest.mark.parametrize("mutant,kind", [("tp_fc1", "module_fwd"), ("tp_norm", "grad_norm")])
+def test_tp2_bitwise_rejects_mutant(dp2, mutant, kind):
+    v = bitwise(dp2["ref_tp2"], dp2[mutant])
+    assert not v.passed and v.first_divergence["step"] == 1 and v.first_divergence["kind"] == kind, v.first_divergence
+
+
+@pytest.fixture(scope="module")
+def tp1(dp2, tmp_path_factory):
+    from tests.parallel_worker import run_job
+
+    out = tmp_path_factory.mktemp("tp1") / "cand"
+    run_job({"side": "candidate", "out": str(out), "init": str(dp2["ref_tp2"] / "init.safetensors"),
+             "overrides": ["parallel=single", *TP_BASE], "digests": False})
+    return out
+
+
+def test_tp2_matches_tp1_within_tolerance_and_resumes_at_tp1(dp2, tp1, tmp_path):
+    """TP splits the vocabulary sums of the cross-entropy and the row-parallel matmuls into two partial sums, so
+    TP=2 vs TP=1 is a tolerance comparison; a TP=2 checkpoint (full per-parameter tensors) resumes at TP=1."""
+    from tests.parallel_worker import run_job
+
+    assert not bitwise(tp1, dp2["cand_tp2"]).passed
+    strict = tolerance(tp1, dp2["cand_tp2"])
+    assert {d["kind"] for d in strict.evidence["divergences"]} <= {"grad_norm"}, strict.summary
+    v = tolerance(tp1, dp2["cand_tp2"], layout_tolerance())
+    assert v.passed, v.summary
+    assert not tolerance(tp1, dp2["tp_fc1"], layout_tolerance()).passed
+    out = tmp_path / "tp_part"
+    shutil.copytree(dp2["tp_part"], out)
+    run_job({"side": "candidate", "out": str(out), "overrides": ["parallel=single", *TP_BASE], "digests": False,
+             "resume": True})
+    v = tolerance(dp2["cand_tp2"], out, layout_tolerance())
+    assert v.passed, v.summary
+
+
+# ------------------------------------------------------------------ FSDP2
+def test_fsdp2_matches_dp2_within_tolerance(dp2):
+    """FSDP2 reduce-scatters and norms per shard: tolerance (layout entry), not bitwise, against DP=2."""
+    strict = tolerance(dp2["cand_mean"], dp2["fsdp"])
+    assert {d["kind"] for d in strict.evidence["divergences"]} <= {"grad_norm"}, strict.summary
+    v = tolerance(dp2["cand_mean"], dp2["fsdp"], layout_tolerance())
+    assert v.passed, v.summary
+    assert not tolerance(dp2["cand_mean"], dp2["fsdp_double_avg"], layout_tolerance()).passed
+
+
+def test_fsdp2_sharded_checkpoint_resumes_at_dp1(dp2, tmp_path):
+    """The FSDP2 checkpoint holds DTensor shards (one DCP file per rank); DCP reshards them into DP=1's plain
+    tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ck = dp2["fsdp_part"] / "checkpoints" / "step_000004"
+    md = FileSystemReader(str(ck)).read_metadata()
+    chunks = md.state_dict_metadata["model.embedding.weight"].chunks
+    assert len(chunks) == 2 and {c.offsets[0] for c in chunks} == {0, 2048}  # sharded on the vocabulary dim
+    out = _resume_at_dp1(dp2, "fsdp_part", tmp_path)
+    v = tolerance(dp2["cand_mean"], out, layout_tolerance())
+    assert v.passed, v.summary
+
+
+# ------------------------------------------------------------------ DP=2 x TP=2 (4 ranks), through forgetrain.verify
+@pytest.mark.slow
+def test_verify_cli_dp2_tp2_bitwise_with_resume(cache, tmp_path):
+    """``torchrun --nproc-per-node 4 -m forgetrain.verify tier=bitwise`` at DP=2 x TP=2: the forged engine
+    (stopped at step 3 and resumed) equals the reference to the bit."""
+    p = torchrun(["-m", "forgetrain.verify", "tier=bitwise", "parallel=dp2", "parallel.tensor_parallel_size=2",
+                  *BASE[:1], "train.steps=6", "verify.steps=6", "verify.resume_at=3", *BASE[2:],
+                  f"verify.out_dir={tmp_path}"], _env(cache), nproc=4)
+    assert p.returncode == 0, _errors(p)
+    assert (p.stdout + p.stderr).count("strictest equivalence tier passed: bitwise") == 1  # rank 0 reports
+
+
 # ------------------------------------------------------------------ two launchers, c10d rendezvous
 def _launcher(node_rank: int, port: int, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
@@ -285,12 +439,12 @@ def _launcher(node_rank: int, port: int, argv: list[str], env: dict, log: Path) 
                             start_new_session=True)
 
 
-def test_two_launcher_rendezvous_writes_the_single_launcher_trace(dp2, tmp_path):
+def test_two_launcher_rendezvous_writes_the_single_launcher_trace(dp2, cache, tmp_path):
     out = tmp_path / "multinode"
     spec = tmp_path / "jobs.json"
     spec.write_text(json.dumps([{"side": "candidate", "out": str(out), "init": str(dp2["ref"] / "init.safetensors"),
                                  "overrides": DP2}]))
-    port, env = _free_port(), _env(dp2["_cache"])
+    port, env = _free_port(), _env(cache)
     procs = [_launcher(i, port, ["-m", "tests.parallel_worker", str(spec)], env, tmp_path / f"node{i}.log")
              for i in range(2)]
     rcs = [p.wait(timeout=300) for p in procs]
@@ -341,10 +495,11 @@ def test_lost_rank_ends_the_job_with_a_clear_message(cache, tmp_path, how):
     port, env = _free_port(), _env(cache)
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     procs = [_launcher(i, port, argv, env, logs[i]) for i in range(2)]
+    workers: list[int] = []
     try:
         deadline = time.time() + 120
         victim = _worker_pid(procs[1], deadline)
-        _worker_pid(procs[0], deadline)
+        workers = [victim, _worker_pid(procs[0], deadline)]
         _wait_for_training(logs, deadline)
         time.sleep(2.0)  # a few steps into training
         t0 = time.time()
@@ -360,6 +515,12 @@ def test_lost_rank_ends_the_job_with_a_clear_message(cache, tmp_path, how):
     finally:
         for p in procs:
             _kill_group(p)
+        for pid in workers:  # torchrun starts its workers in their own sessions; a stopped one outlives it
+            try:
+                if "forgetrain" in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
 
 
 # ------------------------------------------------------------------ the CLI under torchrun

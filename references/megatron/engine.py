@@ -81,6 +81,9 @@ class Engine:
         m, t, p = cfg.model, cfg.train, cfg.parallel
         if p.pipeline_parallel_size != 1 or p.context_parallel_size != 1:
             raise ValueError("the Megatron reference engine runs PP=1 and CP=1 only")
+        if p.zero_stage not in (0, 1):
+            raise ValueError(f"the Megatron reference engine runs zero_stage 0 (DDP) or 1 (distributed optimizer), "
+                             f"got {p.zero_stage}")
         if t.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be fp32 or bf16, got {t.precision!r}")
         decay_steps = t.lr_decay_steps or t.steps
@@ -438,14 +441,16 @@ class Engine:
         ``model``: Megatron param name -> model param (fp32, or bf16 under bf16); ``main_params``: name -> fp32
         main param (bf16 only); ``optimizer``: name -> {exp_avg, exp_avg_sq, step} (zeros / step 0 before the
         first update, which torch's AdamW treats exactly like fresh state); ``scheduler``: Megatron's scheduler
-        state dict; ``step``: optimizer steps done.
+        state dict; ``step``: optimizer steps done. Under TP every tensor is the full (TP=1) one, all-gathered
+        over the TP group (every rank must call this), so the layout does not depend on the TP size.
         """
-        self._require_plain_optimizer("state_dict")
-        self._require_tp1("state_dict")  # TP shards share names: DCP would take them for replicas
         sd: dict = {"step": int(self.steps_done), "scheduler": dict(self.scheduler.state_dict())}
-        sd["model"] = {n: prm.detach().clone() for n, prm in self._named_params().items()}
+        if self.ddp_config.use_distributed_optimizer:
+            return self._distributed_optimizer_state_dict(sd)
+        sd["model"] = self._tp_merged({n: prm.detach().clone() for n, prm in self._named_params().items()})
         if self.bf16:
-            sd["main_params"] = {n: prm.main_param.detach().clone() for n, prm in self._named_params().items()}
+            sd["main_params"] = self._tp_merged({n: prm.main_param.detach().clone()
+                                                 for n, prm in self._named_params().items()})
         opt_state = {}
         torch_opt = self.optimizer.chained_optimizers[0].optimizer
         for n, q in self._optimizer_params():
@@ -457,30 +462,43 @@ class Engine:
             else:
                 opt_state[n] = {"exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q),
                                 "step": torch.tensor(0.0, dtype=torch.float32)}
+        if self.tp_size > 1:
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = self._tp_merged({n: st[key] for n, st in opt_state.items()})
+                for n in opt_state:
+                    opt_state[n][key] = full[n]
         sd["optimizer"] = opt_state
         return sd
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a :meth:`state_dict` through Megatron's own optimizer / scheduler ``load_state_dict``."""
-        self._require_plain_optimizer("load_state_dict")
-        self._require_tp1("load_state_dict")
+        if self.ddp_config.use_distributed_optimizer:
+            self._load_distributed_optimizer_state_dict(state)
+            return
+
+        def local(n: str, t: torch.Tensor) -> torch.Tensor:  # this TP rank's shard of a full tensor
+            return convert.tp_split(n, t, self.tp_size, self.tp_rank) if self.tp_size > 1 else t
+
         with torch.no_grad():
             for n, prm in self._named_params().items():
-                prm.copy_(state["model"][n].to(device=prm.device, dtype=prm.dtype))
+                prm.copy_(local(n, state["model"][n]).to(device=prm.device, dtype=prm.dtype))
         inner = self.optimizer.chained_optimizers[0]
         torch_sd = inner.optimizer.state_dict()  # live param_groups (index lists, hyper-parameters)
         torch_sd["state"] = {}
         for idx, (n, q) in enumerate(self._optimizer_params()):
             st = state["optimizer"][n]
             torch_sd["state"][idx] = {"step": st["step"].detach().clone().to(torch.float32).cpu(),
-                                      "exp_avg": st["exp_avg"].to(q.device, q.dtype).clone(),
-                                      "exp_avg_sq": st["exp_avg_sq"].to(q.device, q.dtype).clone()}
+                                      "exp_avg": local(n, st["exp_avg"]).to(q.device, q.dtype).clone(),
+                                      "exp_avg_sq": local(n, st["exp_avg_sq"]).to(q.device, q.dtype).clone()}
         if self.bf16:
-            groups = [[state["main_params"][self._names[id(prm)]].to(prm.device, torch.float32)
-                       for prm in group] for group in inner.float16_groups]
+            groups = [[local(self._names[id(prm)], state["main_params"][self._names[id(prm)]]).to(
+                prm.device, torch.float32) for prm in group] for group in inner.float16_groups]
             self.optimizer.load_state_dict({"optimizer": torch_sd, "fp32_from_fp16_params": groups})
         else:
             self.optimizer.load_state_dict(torch_sd)
+        self._finish_load(state)
+
+    def _finish_load(self, state: dict) -> None:
         # Megatron's scheduler.load_state_dict *adds* num_steps to the current count: start from 0.
         self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(dict(state["scheduler"]))
@@ -489,11 +507,67 @@ class Engine:
         self.optimizer.zero_grad()
         self._last_grads = None
 
-    # ------------------------------------------------------------------ guards
-    def _require_tp1(self, what: str) -> None:
+    # ------------------------------------------------------------------ distributed optimizer (ZeRO-1) state
+    def _shard_ranges(self) -> dict[str, tuple[torch.Tensor, object]]:
+        """name -> (the shard tensor the torch optimizer steps, its Range in the flattened param) for every
+        param that has elements on this DP rank (Megatron's ``_get_model_param_range_map(...)["param"]``)."""
         if self.tp_size != 1:
-            raise NotImplementedError(f"{what}: TP-sharded checkpoints are not implemented (TP=1 only)")
+            raise NotImplementedError("distributed-optimizer state dicts are implemented for TP=1 only")
+        inner = self.optimizer.chained_optimizers[0]
+        named = self._named_params()
+        return {n: (q, inner._get_model_param_range_map(named[n])["param"]) for n, q in self._optimizer_params()}
 
-    def _require_plain_optimizer(self, what: str) -> None:
-        if self.ddp_config.use_distributed_optimizer:
-            raise NotImplementedError(f"{what}: plain state dicts are implemented for zero_stage=0 only")
+    def _distributed_optimizer_state_dict(self, sd: dict) -> dict:
+        """The same DP-independent layout as the plain optimizer's: each rank writes its shard of every Adam
+        moment (and bf16 main param) into a zero full-size tensor, and a SUM all-reduce over the DP group
+        assembles them (disjoint ranges: adding zeros is exact). A collective: every rank must call it."""
+        import torch.distributed as dist
+
+        group = self._ps.get_data_parallel_group()
+        torch_opt = self.optimizer.chained_optimizers[0].optimizer
+        shards = self._shard_ranges()
+        step = torch.zeros(1, dtype=torch.float32)
+        opt_state, mains = {}, {}
+        for n, prm in self._named_params().items():
+            full = {k: torch.zeros(prm.numel(), dtype=torch.float32, device=prm.device)
+                    for k in ("exp_avg", "exp_avg_sq", "main")}
+            if n in shards:
+                q, r = shards[n]
+                st = torch_opt.state.get(q, {})
+                if st:
+                    full["exp_avg"][r.start:r.end] = st["exp_avg"]
+                    full["exp_avg_sq"][r.start:r.end] = st["exp_avg_sq"]
+                    step = torch.maximum(step, st["step"].detach().float().reshape(1).cpu())
+                if self.bf16:
+                    full["main"][r.start:r.end] = prm.main_param.detach()
+            for k in ("exp_avg", "exp_avg_sq") + (("main",) if self.bf16 else ()):
+                dist.all_reduce(full[k], op=dist.ReduceOp.SUM, group=group)
+            opt_state[n] = {"exp_avg": full["exp_avg"].view(prm.shape), "exp_avg_sq": full["exp_avg_sq"].view(prm.shape)}
+            if self.bf16:
+                mains[n] = full["main"].view(prm.shape)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
+        for st in opt_state.values():
+            st["step"] = step[0].clone()
+        sd["model"] = {n: prm.detach().clone() for n, prm in self._named_params().items()}
+        if self.bf16:
+            sd["main_params"] = mains
+        sd["optimizer"] = opt_state
+        return sd
+
+    def _load_distributed_optimizer_state_dict(self, state: dict) -> None:
+        """Restore the layout above: full model params, then this rank's slice of each moment and main param
+        into the torch optimizer state of its shard (no communication)."""
+        torch_opt = self.optimizer.chained_optimizers[0].optimizer
+        named = self._named_params()
+        with torch.no_grad():
+            for n, prm in named.items():
+                prm.copy_(state["model"][n].to(device=prm.device, dtype=prm.dtype))
+            for n, (q, r) in self._shard_ranges().items():
+                st = state["optimizer"][n]
+                torch_opt.state[q] = {
+                    "step": st["step"].detach().clone().to(torch.float32).cpu(),
+                    "exp_avg": st["exp_avg"].reshape(-1)[r.start:r.end].to(q.device, q.dtype).clone(),
+                    "exp_avg_sq": st["exp_avg_sq"].reshape(-1)[r.start:r.end].to(q.device, q.dtype).clone()}
+                if self.bf16:
+                    named[n].main_param.copy_(state["main_params"][n].reshape(-1)[r.start:r.end])
+        self._finish_load(state)

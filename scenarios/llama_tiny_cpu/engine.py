@@ -26,9 +26,13 @@ Data parallelism (``parallel.data_parallel_size`` = DP > 1, launched with torchr
    optimizer's order (all-reduced), clips and updates only those pieces (AdamW state is sharded), then
    all-gathers the params.
 
+8. ``parallel.tensor_parallel_size=2`` (TP, Megatron's layout, see model.py): the grad norm counts the
+   replicated norm weights on TP rank 0 only and all-reduces the squares over TP.
+9. ``parallel.zero_stage=3``: torch FSDP2 over the DP ranks (tolerance tier; see ``_setup_fsdp``).
+
 Checkpoints hold full, unsharded per-parameter tensors keyed by parameter name (model weights and AdamW state),
-whatever DP and ZeRO stage wrote them, so ``torch.distributed.checkpoint`` can load them into another layout
-(DP=2 ZeRO-1 -> DP=1, ...).
+whatever DP, TP and ZeRO stage wrote them, so ``torch.distributed.checkpoint`` can load them into another
+layout (DP=2 ZeRO-1 -> DP=1, TP=2 -> TP=1, ...); FSDP2 saves its DTensor shards, which DCP reshards on load.
 """
 
 from __future__ import annotations
@@ -40,8 +44,15 @@ import torch.distributed as dist
 
 from forgetrain.engine import StepResult
 from forgetrain.schedule import lr_for_step
-from scenarios.llama_tiny_cpu.model import Llama
-from scenarios.llama_tiny_cpu.parallel import GradBuffer, megatron_registration_order
+from scenarios.llama_tiny_cpu.model import TP1, Llama, TPGroup
+from scenarios.llama_tiny_cpu.parallel import (GradBuffer, build_groups, megatron_registration_order, tp_all_gather,
+                                               tp_merge, tp_split)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 class Engine:
@@ -53,33 +64,59 @@ class Engine:
         self.cfg = cfg
         self.device = torch.device(device)
         self.mcfg, self.tcfg = cfg.model, cfg.train
-        self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic).to(self.device)
         self.pcfg = cfg.parallel
         self.dp_size, self.zero_stage = self.pcfg.data_parallel_size, self.pcfg.zero_stage
+        self.tp_size = self.pcfg.tensor_parallel_size
+        self.tp, self._dp_group = TP1, None
+        if self.dp_size * self.tp_size > 1:
+            tp_group, tp_rank, self._dp_group = build_groups(self.dp_size, self.tp_size)
+            self.tp = TPGroup(self.tp_size, tp_rank, tp_group) if self.tp_size > 1 else TP1
+        self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic, tp=self.tp).to(self.device)
         self.completed_steps = 0
         self.adam_state: dict[str, dict] = {}
         self._last_grads: dict[str, torch.Tensor] | None = None
         self.ddp: GradBuffer | None = None
+        self.fsdp = self.zero_stage == 3  # torch FSDP2
         self.init_weights()
-        self._setup_data_parallel()
+        if self.fsdp:
+            self._setup_fsdp()
+        else:
+            self._setup_data_parallel()
+
+    def _setup_fsdp(self) -> None:
+        """``parallel.zero_stage=3``: torch FSDP2 ``fully_shard`` on each block and on the root, over a 1-D DP mesh.
+
+        Params, grads and AdamW state are DTensors sharded on dim 0; FSDP2 all-gathers params per block in the
+        forward and backward and reduce-scatters (averages) grads after the last micro-batch's backward.
+        Checkpoints hold the DTensors themselves, so DCP writes one shard per rank and reshards on load.
+        A different reduction (FSDP's reduce-scatter, per-shard norms): judged at the tolerance tier vs DP.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("parallel.zero_stage=3 (FSDP2) needs a process group: launch with torchrun")
+        self._mesh = init_device_mesh(self.device.type, (self.dp_size,))
+        for blk in self.model.layers:
+            fully_shard(blk, mesh=self._mesh)
+        fully_shard(self.model, mesh=self._mesh)
+        self.adam_state = {n: {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                           for n, p in self._named().items()}
 
     def _setup_data_parallel(self) -> None:
         """Build the flat grad buffer for DP > 1 or ZeRO-1 (DP=1 ZeRO-0 keeps autograd's own ``.grad``)."""
         p = self.pcfg
         if self.dp_size == 1 and self.zero_stage == 0:
             return
-        if p.tensor_parallel_size != 1:
-            raise NotImplementedError("llama_tiny_cpu: DP with TP > 1 is not implemented")
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world != self.dp_size:
-            raise RuntimeError(f"parallel.data_parallel_size={self.dp_size} but the process group has {world} "
-                               f"rank(s); launch with torchrun --nproc-per-node {self.dp_size}")
+        if self.zero_stage == 1 and self.tp_size > 1:
+            raise NotImplementedError("llama_tiny_cpu: ZeRO-1 with TP > 1 is not implemented")
         bucket = p.bucket_size
         if bucket is None and p.overlap_grad_reduce:
             bucket = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron's default with overlap on
         self.ddp = GradBuffer(self._named(), megatron_registration_order(self.mcfg.num_layers),
-                              zero1=self.zero_stage >= 1, bucket_size=bucket, overlap=p.overlap_grad_reduce)
-        if self.zero_stage >= 1:
+                              group=self._dp_group, zero1=self.zero_stage == 1, bucket_size=bucket,
+                              overlap=p.overlap_grad_reduce)
+        if self.zero_stage == 1:
             self._shard_adam_state()
 
     def _shard_adam_state(self) -> None:
@@ -113,10 +150,16 @@ class Engine:
         return two_d + one_d
 
     def init_weights(self) -> None:
-        """Deterministic N(0, init_method_std) init from ``train.seed``; resets the optimizer."""
+        """Deterministic N(0, init_method_std) init from ``train.seed``; resets the optimizer. Under TP every
+        rank draws the full (TP=1) model and keeps its shards, so the weights do not depend on the TP size."""
         g = torch.Generator(device="cpu").manual_seed(self.tcfg.seed)
-        self.model.to("cpu").reset_parameters(g)
-        self.model.to(self.device)
+        if self.tp.size == 1:
+            self.model.to("cpu").reset_parameters(g)
+            self.model.to(self.device)
+        else:
+            full = Llama(self.mcfg, deterministic=self.tcfg.deterministic)
+            full.reset_parameters(g)
+            self._load_full({k: v.detach() for k, v in full.named_parameters()})
         # optimizer state exists from the start so checkpoints have a fixed structure
         self.completed_steps = 0
         if getattr(self, "ddp", None) is not None and self.ddp.zero1:
@@ -168,21 +211,42 @@ class Engine:
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-Llama-layout fp32 weights (e.g. the reference's exported init). Raises KeyError/ValueError."""
+        self._load_full(self._from_hf(state))
+
+    def _load_full(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy full (TP=1-shaped) forged-layout tensors into the params, keeping this TP rank's shards."""
         named = self._named()
-        for k, v in self._from_hf(state).items():
+        for k, v in full.items():
+            v = tp_split(k, v, self.tp.size, self.tp.rank)
             if named[k].shape != v.shape:
                 raise ValueError(f"shape mismatch for {k}: {tuple(v.shape)} vs {tuple(named[k].shape)}")
             with torch.no_grad():
+                if _is_dtensor(named[k]):  # FSDP2: keep this rank's dim-0 shard (no communication)
+                    from torch.distributed.tensor import distribute_tensor
+
+                    v = distribute_tensor(v.to(named[k].dtype), named[k].device_mesh, named[k].placements,
+                                          src_data_rank=None)
                 named[k].copy_(v)
 
+    def _full(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors -> full (TP=1-shaped) ones: all-gather over TP, or FSDP's DTensor
+        ``full_tensor()`` (a collective; identity at TP=1 without FSDP)."""
+        if self.fsdp:
+            return {k: v.detach().full_tensor() if _is_dtensor(v) else v for k, v in t.items()}
+        if self.tp.size == 1:
+            return t
+        return {k: tp_merge(k, tp_all_gather(v.detach(), self.tp.size, self.tp.group)) for k, v in t.items()}
+
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        return self._to_hf({k: p for k, p in self._named().items()})
+        """fp32 HF-layout weights on CPU. Under TP every rank must call it (shards are all-gathered)."""
+        return self._to_hf(self._full({k: p for k, p in self._named().items()}))
 
     def export_hf_grads(self) -> dict[str, torch.Tensor]:
-        """Accumulated grads of the last step, pre-clip, HF layout. Raises RuntimeError before any step."""
+        """Accumulated grads of the last step, pre-clip, HF layout (all-gathered under TP). Raises RuntimeError
+        before any step."""
         if self._last_grads is None:
             raise RuntimeError("no step has run yet")
-        return self._to_hf(self._last_grads)
+        return self._to_hf(self._full(self._last_grads))
 
     # ---------------------------------------------------------------- step
     def _autocast(self):
@@ -214,6 +278,8 @@ class Engine:
             mb = self._check(mb)
             if self.ddp is not None:
                 self.ddp.arm(i == n - 1)
+            if self.fsdp:  # accumulate unsharded grads locally; reduce-scatter after the last micro-batch
+                self.model.set_requires_gradient_sync(i == n - 1)
             with self._autocast():
                 tok_loss = self.model(mb[:, :-1], mb[:, 1:])  # [b, s] fp32
             loss = tok_loss.mean()
@@ -225,23 +291,54 @@ class Engine:
         lr = lr_for_step(self.tcfg, self.completed_steps)
         if self.ddp is not None and self.ddp.zero1:
             grad_norm = self._zero1_step(lr)
+        elif self.fsdp:
+            grad_norm = self._fsdp_step(self._named(), lr)  # the sharded params, as registered after backward
         else:
             grads = {k: named[k].grad for k in self._norm_order()}
             self._last_grads = {k: g.clone() for k, g in grads.items()} if self.tcfg.digests else grads
-            # global grad norm, Megatron's arithmetic
-            norms = torch.norm(torch.tensor([torch.norm(g) for g in grads.values()]))
-            total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
-            grad_norm = total_sq.item() ** 0.5
+            grad_norm = self._grad_norm(grads)
             self._clip(grads.values(), grad_norm)
             self._adamw(named, lr)
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
         if self.pcfg.report_loss == "dp_mean" and self.dp_size > 1:
             loss_mean = loss_mean.detach().clone().reshape(1)
-            dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM)
+            dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM, group=self._dp_group)
             loss_mean = loss_mean[0] / self.dp_size
         return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float())
+
+    def _fsdp_step(self, named: dict[str, torch.nn.Parameter], lr: float) -> float:
+        """FSDP2 after the reduce-scatter: norm = sqrt(all-reduced sum of the local shards' squared norms),
+        Megatron's clip and torch AdamW arithmetic on the local shards (elementwise, so shard-local)."""
+        grads = {k: named[k].grad for k in self._norm_order()}
+        self._last_grads = {k: g.clone() for k, g in grads.items()} if self.tcfg.digests else grads
+        local = [g.to_local() for g in grads.values()]
+        total_sq = torch.stack([torch.norm(g) for g in local]).square().sum().reshape(1)
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=self._mesh.get_group())
+        grad_norm = total_sq.item() ** 0.5
+        self._clip(local, grad_norm)
+        items = []
+        for name, p in named.items():
+            st = self.adam_state[name]
+            view = {"step": st["step"], "exp_avg": st["exp_avg"].to_local(), "exp_avg_sq": st["exp_avg_sq"].to_local()}
+            items.append((view, p.to_local(), p.grad.to_local(), p.dim() > 1))
+        with torch.no_grad():
+            self._adam_update(items, lr)
+        for (view, *_), st in zip(items, self.adam_state.values()):
+            st["step"] = view["step"]
+        return grad_norm
+
+    def _grad_norm(self, grads: dict[str, torch.Tensor]) -> float:
+        """Global L2 norm of ``grads`` (in ``_norm_order``), Megatron's arithmetic: per-tensor norms ->
+        ``norm(tensor(norms))`` -> fp32 square -> ``.item() ** 0.5``. Under TP the replicated norm weights count
+        on TP rank 0 only and the squares are all-reduced over TP (get_grad_norm_fp32's model-parallel group)."""
+        terms = [g for g in grads.values() if self.tp.rank == 0 or g.dim() > 1]
+        norms = torch.norm(torch.tensor([torch.norm(g) for g in terms]))
+        total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
+        if self.tp.size > 1:
+            self.tp.all_reduce(total_sq)
+        return total_sq.item() ** 0.5
 
     def _sync_grads(self) -> None:
         """DP gradient reduction (scale by 1/DP, then all-reduce or reduce-scatter each bucket)."""
@@ -305,7 +402,14 @@ class Engine:
             mb = self._check(mb)
             with self._autocast():
                 vals.append(self.model(mb[:, :-1], mb[:, 1:]).mean())
+        self._reshard()
         return float(torch.stack(vals).mean())
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's params unsharded after a forward (the backward would reshard them); after a
+        no-grad forward, reshard explicitly so the params are the sharded DTensors again."""
+        if self.fsdp:
+            self.model.reshard()
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -313,8 +417,11 @@ class Engine:
         self.model.eval()
         freqs_len = tokens.shape[1]
         with self._autocast():
-            out = self.model(tokens.to(self.device))
+            out = self.model(tokens.to(self.device))  # [s, b, V/tp]
         del freqs_len
+        self._reshard()
+        if self.tp.size > 1:  # every TP rank must call logits(): the vocabulary slices are all-gathered
+            out = torch.cat(tp_all_gather(out, self.tp.size, self.tp.group), dim=-1)
         return out.transpose(0, 1).float()
 
     # ---------------------------------------------------------------- checkpoint
@@ -327,6 +434,20 @@ class Engine:
         (a collective: every rank must call this).
         """
         opt = {}
+        if self.fsdp:  # DTensors: DCP writes each rank's shard and reshards on load
+            for name, st in self.adam_state.items():
+                opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
+                             "exp_avg_sq": st["exp_avg_sq"]}
+            return {"model": dict(self.model.state_dict()), "optimizer": opt,
+                    "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
+        if self.tp.size > 1:
+            model = self._full(dict(self.model.state_dict()))
+            for name, st in self.adam_state.items():
+                m_full, v_full = self._full({name: st["exp_avg"]}), self._full({name: st["exp_avg_sq"]})
+                opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": m_full[name],
+                             "exp_avg_sq": v_full[name]}
+            return {"model": model, "optimizer": opt,
+                    "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
         if self.ddp is not None and self.ddp.zero1:
             d = self.ddp
             m_full, v_full = d.gather_flat(self._m_shard), d.gather_flat(self._v_shard)
@@ -342,9 +463,23 @@ class Engine:
                 "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict` written under any DP size / ZeRO stage (params are copied in place)."""
-        self.model.load_state_dict(state["model"])
+        """Restore a :meth:`state_dict` written under any DP / TP size or ZeRO stage (params copied in place)."""
         self.completed_steps = int(state["completed_steps"])
+        if self.fsdp:
+            self.model.load_state_dict(state["model"])
+            self.adam_state = {name: {"step": float(st["step"]), "exp_avg": st["exp_avg"],
+                                      "exp_avg_sq": st["exp_avg_sq"]} for name, st in state["optimizer"].items()}
+            return
+        if self.tp.size > 1:
+            self._load_full(state["model"])
+            self.adam_state = {}
+            for name, st in state["optimizer"].items():
+                self.adam_state[name] = {
+                    "step": float(st["step"]),
+                    "exp_avg": tp_split(name, st["exp_avg"], self.tp.size, self.tp.rank).to(self.device),
+                    "exp_avg_sq": tp_split(name, st["exp_avg_sq"], self.tp.size, self.tp.rank).to(self.device)}
+            return
+        self.model.load_state_dict(state["model"])
         if self.ddp is not None and self.ddp.zero1:
             self._shard_adam_state()
             with torch.no_grad():

@@ -12,6 +12,14 @@ scale as alpha, -10000 mask fill, fp32 softmax, bmm); cross-entropy is Megatron'
 
 Shapes: s = seq_length, b = micro_batch_size, h = hidden_size, d = head_dim, nq/nkv = query/KV heads,
 f = ffn_hidden_size, V = vocab_size.
+
+Tensor parallelism (``tp=TPGroup(size > 1)``), Megatron's layout without sequence parallelism: the embedding
+and the LM head are split over the vocabulary (``V/tp`` rows each), QKV and fc1 by output rows (whole KV groups;
+``[gate_r; up_r]``), proj and fc2 by input columns, norms replicated. Column-parallel inputs go through
+``copy_to_tp`` (identity forward, all-reduce of the input gradient backward: Megatron's ``allreduce_dgrad``);
+row-parallel outputs and the embedding through ``reduce_from_tp`` (all-reduce forward). The loss is Megatron's
+vocab-parallel cross-entropy (max, target logit and sum of exps all-reduced). With 2 TP ranks every all-reduce
+is ``a + b``, so the forged and reference sums are the same bits.
 """
 
 from __future__ import annotations
@@ -21,6 +29,56 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class TPGroup:
+    """Tensor-parallel coordinates: ``size`` ranks, this one ``rank``, collective ``group`` (None = default)."""
+
+    def __init__(self, size: int = 1, rank: int = 0, group=None):
+        self.size, self.rank, self.group = size, rank, group
+
+    def all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+        return t
+
+
+TP1 = TPGroup()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces (SUM) the input gradient over TP (Megatron's column-parallel
+    ``allreduce_dgrad``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.tp.all_reduce(g.contiguous().clone()), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce (SUM) over TP forward, identity backward (Megatron's row-parallel output / vocab embedding)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        return tp.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
 
 
 class _Linear(torch.autograd.Function):
@@ -84,9 +142,57 @@ class _CrossEntropy(torch.autograd.Function):
         return softmax.to(ctx.in_dtype), None
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``logits [s, b, V]``, ``target [s, b]`` int64 -> per-token loss ``[s, b]`` fp32 (nats)."""
-    return _CrossEntropy.apply(logits, target)
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TPGroup = TP1) -> torch.Tensor:
+    """``logits [s, b, V/tp]``, ``target [s, b]`` int64 (global ids) -> per-token loss ``[s, b]`` fp32 (nats)."""
+    if tp.size == 1:
+        return _CrossEntropy.apply(logits, target)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy over this rank's vocabulary slice ``[r*V/tp, (r+1)*V/tp)``.
+
+    forward: z = logits - allreduce_max(max z); target logit (0 off this slice) and sum(exp z) are all-reduced
+    (SUM); loss = log(sum) - target logit; saves softmax. backward: softmax - (1 - off_slice) at the target,
+    times dloss. [align 6, TP form]
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        import torch.distributed as dist
+
+        z = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        zmax = torch.max(z, dim=-1)[0]
+        tp.all_reduce(zmax, op=dist.ReduceOp.MAX)
+        part = z.size(-1)
+        start, end = tp.rank * part, (tp.rank + 1) * part
+        z -= zmax.unsqueeze(-1)
+        mask = (target < start) | (target >= end)
+        masked = target.clone() - start
+        masked[mask] = 0
+        z2 = z.view(-1, part)
+        t1 = masked.view(-1)
+        rows = torch.arange(z2.size(0), device=z.device)
+        predicted = z2[rows, t1].clone().contiguous().view_as(target)
+        predicted[mask] = 0.0
+        torch.exp(z, out=z)
+        sum_exp = z.sum(dim=-1)
+        tp.all_reduce(predicted)
+        tp.all_reduce(sum_exp)
+        loss = torch.log(sum_exp) - predicted
+        z.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(z, t1, mask)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss: torch.Tensor):
+        softmax, t1, mask = ctx.saved_tensors
+        g2 = softmax.view(-1, softmax.size(-1))
+        rows = torch.arange(g2.size(0), device=g2.device)
+        g2[rows, t1] -= 1.0 - mask.view(-1).float()
+        softmax.mul_(dloss.unsqueeze(-1))
+        return softmax.to(ctx.in_dtype), None, None
 
 
 def rope_freqs(seq_length: int, head_dim: int, base: float, device) -> torch.Tensor:
@@ -114,9 +220,11 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """GQA self-attention, sequence-first. ``x [s, b, h] -> [s, b, h]``."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPGroup = TP1):
         super().__init__()
-        self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+        self.tp = tp
+        # this rank's heads: nq/tp query heads in nkv/tp whole KV groups
+        self.nq, self.nkv, self.d = cfg.num_attention_heads // tp.size, cfg.num_query_groups // tp.size, cfg.head_dim
         # [nkv * (nq/nkv + 2) * d, h]: per KV group, its q heads, then k, then v. [align 2]
         self.qkv = nn.Parameter(torch.empty(self.nkv * (self.nq // self.nkv + 2) * self.d, cfg.hidden_size))
         self.proj = nn.Parameter(torch.empty(cfg.hidden_size, self.nq * self.d))
@@ -125,7 +233,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
         qpg = self.nq // self.nkv
-        mixed = linear(x, self.qkv).view(s, b, self.nkv, (qpg + 2) * self.d)
+        mixed = linear(copy_to_tp(x, self.tp), self.qkv).view(s, b, self.nkv, (qpg + 2) * self.d)
         q, k, v = torch.split(mixed, [qpg * self.d, self.d, self.d], dim=3)
         q = q.reshape(s, b, self.nq, self.d)
         q = apply_rope(q, freqs)  # RoPE before K/V are repeated [align 4]
@@ -144,20 +252,22 @@ class Attention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(in_dtype)
         ctx = torch.bmm(probs.view(b * self.nq, s, s), v.reshape(s, b * self.nq, self.d).transpose(0, 1))
         ctx = ctx.view(b, self.nq, s, self.d).permute(2, 0, 1, 3).contiguous().view(s, b, self.nq * self.d)
-        return linear(ctx, self.proj)
+        return reduce_from_tp(linear(ctx, self.proj), self.tp)
 
 
 class MLP(nn.Module):
     """SwiGLU: ``x [s, b, h] -> down(silu(gate x) * up x) [s, b, h]`` with [gate; up] as one matmul. [align 3]"""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPGroup = TP1):
         super().__init__()
-        self.fc1 = nn.Parameter(torch.empty(2 * cfg.ffn_hidden_size, cfg.hidden_size))
-        self.fc2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.ffn_hidden_size))
+        self.tp = tp
+        f = cfg.ffn_hidden_size // tp.size
+        self.fc1 = nn.Parameter(torch.empty(2 * f, cfg.hidden_size))  # [gate_r; up_r]
+        self.fc2 = nn.Parameter(torch.empty(cfg.hidden_size, f))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.chunk(linear(x, self.fc1), 2, dim=-1)
-        return linear(F.silu(gate) * up, self.fc2)
+        gate, up = torch.chunk(linear(copy_to_tp(x, self.tp), self.fc1), 2, dim=-1)
+        return reduce_from_tp(linear(F.silu(gate) * up, self.fc2), self.tp)
 
 
 class RMSNorm(nn.Module):
@@ -173,12 +283,12 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPGroup = TP1):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, freqs, mask):
         x = x + self.attn(self.input_norm(x), freqs, mask)
@@ -186,37 +296,53 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token ids ``[b, s]`` -> ``[s, b, h]``; the lookup runs on ``[b, s]``. [align 8]"""
+    """Token ids ``[b, s]`` -> ``[s, b, h]``; the lookup runs on ``[b, s]``. [align 8]
 
-    def __init__(self, vocab: int, h: int, index_lookup: bool):
+    TP: this rank holds vocabulary rows ``[r*V/tp, (r+1)*V/tp)``; other ids look up row 0 and are zeroed, then
+    the ranks' partial embeddings are all-reduced (Megatron's VocabParallelEmbedding)."""
+
+    def __init__(self, vocab: int, h: int, index_lookup: bool, tp: TPGroup = TP1):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, h))
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(vocab // tp.size, h))
         self.index_lookup = index_lookup  # Megatron's deterministic mode uses weight[ids]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        e = self.weight[ids] if self.index_lookup else F.embedding(ids, self.weight)
-        return e.transpose(0, 1).contiguous()
+        if self.tp.size == 1:
+            e = self.weight[ids] if self.index_lookup else F.embedding(ids, self.weight)
+            return e.transpose(0, 1).contiguous()
+        part = self.weight.shape[0]
+        start = self.tp.rank * part
+        mask = (ids < start) | (ids >= start + part)
+        masked = ids.clone() - start
+        masked[mask] = 0
+        e = self.weight[masked] if self.index_lookup else F.embedding(masked, self.weight)
+        e[mask, :] = 0.0
+        return reduce_from_tp(e, self.tp).transpose(0, 1).contiguous()
 
 
 class OutputLayer(nn.Module):
-    def __init__(self, vocab: int, h: int):
+    """LM head; under TP this rank's vocabulary slice: ``[s, b, h] -> [s, b, V/tp]`` (column-parallel)."""
+
+    def __init__(self, vocab: int, h: int, tp: TPGroup = TP1):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, h))
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(vocab // tp.size, h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(copy_to_tp(x, self.tp), self.weight)
 
 
 class Llama(nn.Module):
-    """``forward(ids [b, s], labels [b, s] | None)`` -> per-token loss ``[b, s]`` fp32, or logits ``[s, b, V]``."""
+    """``forward(ids [b, s], labels [b, s] | None)`` -> per-token loss ``[b, s]`` fp32, or logits ``[s, b, V/tp]``."""
 
-    def __init__(self, cfg, deterministic: bool = True):
+    def __init__(self, cfg, deterministic: bool = True, tp: TPGroup = TP1):
         super().__init__()
-        self.cfg = cfg
-        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=deterministic)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=deterministic, tp=tp)
+        self.layers = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size)
+        self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size, tp)
         self._freqs: dict = {}
 
     @torch.no_grad()
@@ -245,4 +371,4 @@ class Llama(nn.Module):
         if labels is None:
             return logits
         # loss computed on [s, b], returned as [b, s] [align 7]
-        return cross_entropy(logits, labels.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+        return cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.tp).transpose(0, 1).contiguous()

@@ -268,3 +268,74 @@ class GradBuffer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensor parallelism: how each forged parameter is split over TP ranks (Megatron's layout, see model.py) and the
+# process groups of a DP x TP layout (TP-major: ranks r*TP .. r*TP+TP-1 form a TP group, as in Megatron's
+# default "tp-cp-ep-dp-pp" order and the harness's ``dp_rank = rank // TP``).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def tp_partition(name: str):
+    """0 / 1: contiguous chunks of that dim; ``"glu"``: fc1's gate and up halves chunked separately; None:
+    replicated (norm weights)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith("mlp.fc1"):
+        return "glu"
+    if name.endswith(("attn.proj", "mlp.fc2")):
+        return 1
+    if name.endswith(("attn.qkv", "embedding.weight", "output_layer.weight")):
+        return 0
+    raise KeyError(f"no tensor-parallel partitioning known for {name}")
+
+
+def tp_split(name: str, full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """Full tensor -> rank ``rank``'s shard (a contiguous copy)."""
+    part = tp_partition(name)
+    if part is None or size == 1:
+        return full.contiguous()
+    if part == "glu":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]]).contiguous()
+    return full.chunk(size, dim=part)[rank].contiguous()
+
+
+def tp_merge(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Every TP rank's shard (TP-rank order) -> the full tensor (rank 0's copy for a replicated one)."""
+    part = tp_partition(name)
+    if part is None or len(shards) == 1:
+        return shards[0].contiguous()
+    if part == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]).contiguous()
+    return torch.cat(shards, dim=part).contiguous()
+
+
+def tp_all_gather(t: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every TP rank's ``t`` (same shape on all), in TP-rank order."""
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def build_groups(dp: int, tp: int):
+    """``(tp_group, tp_rank, dp_group)`` for this rank; a group spanning the whole world is None (the default
+    group). Every rank creates every group, in the same order (``dist.new_group`` is collective)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world != dp * tp:
+        raise RuntimeError(f"DP{dp} x TP{tp} = {dp * tp} ranks, but the process group has {world}; launch with "
+                           f"torchrun --nproc-per-node {dp * tp}")
+    rank = dist.get_rank() if world > 1 else 0
+    tp_group = dp_group = None
+    if tp > 1 and dp > 1:
+        for d in range(dp):
+            g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
+            if rank // tp == d:
+                tp_group = g
+        for t in range(tp):
+            g = dist.new_group(list(range(t, world, tp)))
+            if rank % tp == t:
+                dp_group = g
+    return tp_group, rank % tp, dp_group
