@@ -141,3 +141,11 @@ def test_truncated_dataset_is_one_line(suffix, tmp_path):
     assert lines[-1].startswith("error: ") and "Traceback" not in p.stderr
     assert suffix in lines[-1] or "truncated" in lines[-1] or "corrupt" in lines[-1], lines[-1]
     assert not (out / "trace").exists() and not (out / "checkpoints").exists()
+
+
+def test_default_output_dir_is_hydras_run_dir(tmp_path):
+    """The quick-start path: no train.out_dir, outputs land in outputs/<scenario>/<date>_<time>/."""
+    p = run([*FAST, "train.steps=2", "train.sample_tokens=0", "train.eval_interval=0"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs = list((tmp_path / "outputs" / "llama_tiny_cpu").glob("*/trace/trace.jsonl"))
+    assert len(runs) == 1 and len(runs[0].read_text().splitlines()) == 2
