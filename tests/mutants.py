@@ -6,6 +6,8 @@ be reported (the verdict's ``first_divergence``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from scenarios.llama_tiny_cpu import model as M
@@ -59,29 +61,12 @@ class DroppedMicroBatch(Good):
 
 
 class WrongRopeBase(Good):
-    """RoPE theta 500000 instead of the config's 10000."""
+    """RoPE theta 500000 instead of the config's 10000 (the model reads rotary_base from its own config)."""
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
-        base = 500000.0
-        hd = self.mcfg.head_dim
-
-        def freqs(s, d, _base, dev):
-            return _orig(s, d, base, dev)
-
-        _orig = M.rope_freqs
+        self.model.cfg = dataclasses.replace(self.mcfg, rotary_base=500000.0)
         self.model._freqs.clear()
-        self.model._rope_and_mask = self._patched_rope(freqs, hd)
-
-    def _patched_rope(self, freqs_fn, hd):
-        model = self.model
-
-        def rope_and_mask(s, device):
-            freqs = freqs_fn(s, hd, None, device)
-            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
-            return freqs, mask
-
-        return rope_and_mask
 
 
 class WrongQKVPermutation(Good):

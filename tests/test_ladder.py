@@ -91,14 +91,11 @@ def test_tolerance_accepts_a_reordered_reduction(ref, tmp_path):
 @pytest.fixture(scope="module")
 def ref_bf16(tmp_path_factory):
     """bf16 Megatron reference plus its fp32 oracle run from the same (bf16-representable) weights."""
-    from safetensors.torch import load_file
-
     from forgetrain.verify import run_candidate_ref_oracle
 
     out = tmp_path_factory.mktemp("ref_bf16")
     ref = run_reference(_cfg(precision="bf16"), VerifyConfig(steps=8, digests=False), out / "ref", 8)
     oracle = run_candidate_ref_oracle(_cfg(), VerifyConfig(), out / "oracle", 8, ref / "init.safetensors")
-    del load_file
     return ref, oracle
 
 

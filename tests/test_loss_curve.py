@@ -39,10 +39,6 @@ def test_forged_passes_loss_curve(refs, tmp_path):
     assert v.passed, v.summary
 
 
-class TenthLR:
-    """Mixin: the LR schedule scaled by 1/10 (e.g. a wrong unit in a config conversion)."""
-
-
 def _tenth_lr_engine():
     from forgetrain import schedule
     from scenarios.llama_tiny_cpu import engine as E
@@ -70,9 +66,10 @@ def test_surpass_needs_loss_curve_and_a_real_speedup(refs, tmp_path):
 
     lc = eq.loss_curve(refs, _cand(tmp_path), eq.load_tier("loss_curve"))
     t_ref, t_cand = interleaved_step_times(_curve_cfg(), "megatron", 10)
-    v = eq.surpass(lc, t_ref, t_cand, eq.load_tier("surpass"))
-    # On CPU the forged engine mirrors Megatron op for op, so it must NOT be declared faster beyond noise
-    # unless it is; the verdict must carry the measured medians either way.
-    assert "speedup" in str(v.evidence) or "median" in str(v.evidence)
+    cfg = eq.load_tier("surpass")
+    assert lc.passed, lc.summary
+    eq.surpass(lc, t_ref, t_cand, cfg)  # the real A/B verdict runs on measured timings (either outcome is honest)
+    assert not eq.surpass(lc, t_ref, list(t_ref), cfg).passed  # no speedup: never surpass
+    assert eq.surpass(lc, t_ref, [t / 10 for t in t_ref], cfg).passed  # a clear 10x speedup with loss-curve held
     bad = eq.loss_curve(refs, _cand(tmp_path / "m", _tenth_lr_engine()), eq.load_tier("loss_curve"))
-    assert not eq.surpass(bad, t_ref, [t / 10 for t in t_cand], eq.load_tier("surpass")).passed
+    assert not eq.surpass(bad, t_ref, [t / 10 for t in t_cand], cfg).passed

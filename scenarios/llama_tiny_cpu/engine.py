@@ -415,10 +415,8 @@ class Engine:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [b, s]`` -> logits ``[b, s, V]`` fp32."""
         self.model.eval()
-        freqs_len = tokens.shape[1]
         with self._autocast():
             out = self.model(tokens.to(self.device))  # [s, b, V/tp]
-        del freqs_len
         self._reshard()
         if self.tp.size > 1:  # every TP rank must call logits(): the vocabulary slices are all-gathered
             out = torch.cat(tp_all_gather(out, self.tp.size, self.tp.group), dim=-1)
