@@ -20,7 +20,7 @@ import torch
 from forgetrain.engine import StepResult
 from forgetrain.schedule import lr_for_step
 from scenarios.llama_tiny_cpu.engine import Engine as _ExactCPUEngine
-from scenarios.llama_tiny_cpu.model import Llama
+from scenarios.llama_tiny_cpu.model import TP1, Llama
 
 
 class Engine(_ExactCPUEngine):
@@ -34,6 +34,8 @@ class Engine(_ExactCPUEngine):
         self.opts, self.kernels = cfg.engine, cfg.kernels
         self.bf16 = self.tcfg.precision == "bf16"
         self.fast = self.opts.mode == "fast"
+        # Single-device engine: the parallel paths of the CPU base class stay switched off.
+        self.pcfg, self.tp, self._dp_group, self.fsdp, self.ddp = cfg.parallel, TP1, None, False, None
         with torch.device(self.device):
             if self.fast:
                 from scenarios.llama1b_h200.fast import FastLlama
