@@ -7,7 +7,12 @@ is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_
 speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
 
 MFU uses ``forgetrain.metrics`` (6 * (N - N_emb) + 12 * L * h * s FLOPs per token, PaLM appendix B) against
-``hardware.peak_tflops`` (or a measured matmul peak on CPU).
+``hardware.peak_tflops`` (or a measured matmul peak on CPU) times the number of devices.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank builds the same sides with the run's parallel layout and feeds
+its data-parallel share of each global batch (Megatron's sampler order); a step's time is the slowest rank's
+(all-reduce MAX per step, since the step ends when the last rank's collectives do), memory is the largest rank's,
+and only rank 0 prints and writes ``bench.json``.
 """
 
 from __future__ import annotations
@@ -69,22 +74,74 @@ class _Timer:
             self.s = time.perf_counter() - self.t0
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _device(cfg: RunConfig) -> torch.device:
+    """``cpu``, or this process's GPU (``cuda:LOCAL_RANK`` under torchrun)."""
+    import os
+
+    if cfg.hardware.device == "cpu":
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+
+
+def _say(*args, **kw) -> None:
+    if _world()[0] == 0:
+        print(*args, **kw)
+
+
 def _batches(cfg: RunConfig, n_steps: int) -> list[list[torch.Tensor]]:
+    """This rank's micro-batches for ``n_steps`` steps: ``[n_steps][grad_accum]`` of ``[mb, seq + 1]`` int64."""
     from forgetrain.data import TokenWindows, micro_batch, prepare
 
     data = prepare(cfg.data, progress=False)
     w = TokenWindows(data.train_prefix, cfg.model.seq_length, cfg.train.seed)
-    t = cfg.train
+    t, p = cfg.train, cfg.parallel
     ga = grad_accum_steps(cfg)
-    return [[micro_batch(w, s, m, 0, t.micro_batch_size, 1, t.global_batch_size) for m in range(ga)]
-            for s in range(n_steps)]
+    dp_rank = _world()[0] // p.tensor_parallel_size
+    return [[micro_batch(w, s, m, dp_rank, t.micro_batch_size, p.data_parallel_size, t.global_batch_size)
+             for m in range(ga)] for s in range(n_steps)]
+
+
+def reduce_over_ranks(times: dict) -> dict:
+    """Per-step MAX of every side's step seconds and MAX of peak memory over the ranks (identity for one process).
+    Every rank must call it with the same sides and step counts (a collective)."""
+    import torch.distributed as dist
+
+    if _world()[1] == 1:
+        return times
+    out = dict(times)
+    for name, ts in times.items():
+        if name.startswith("_") or not ts:
+            continue
+        t = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = t.tolist()
+    mem = times.get("_mem_gib", {})
+    if mem:
+        names = sorted(mem)
+        t = torch.tensor([mem[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out["_mem_gib"] = dict(zip(names, t.tolist()))
+    if "_forged_blocks" in times:
+        t = torch.tensor(times["_forged_blocks"], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out["_forged_blocks"] = t.tolist()
+    return out
 
 
 def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
     """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init."""
     from forgetrain import registry
 
-    device = torch.device(cfg.hardware.device)
+    device = _device(cfg)
     sides = {}
     init = None
     for name in against:
@@ -104,7 +161,7 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
 
 def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int) -> dict[str, list[float]]:
     """Interleaved A/B timing: returns side -> list of step seconds (``steps`` each, after ``warmup``)."""
-    device = torch.device(cfg.hardware.device)
+    device = _device(cfg)
     batches = _batches(cfg, warmup + steps)
     times = {k: [] for k in sides}
     mem = {}
@@ -136,7 +193,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
 
     from forgetrain import registry
 
-    device = torch.device(cfg.hardware.device)
+    device = _device(cfg)
     batches = _batches(cfg, warmup + steps)
     times: dict = {"_mem_gib": {}}
     init = None
@@ -168,10 +225,10 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
                 t_first = tm.s
         if device.type == "cuda":
             times["_mem_gib"][name] = max(times["_mem_gib"].get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
-        med = statistics.median(out)
-        print(f"[block] {name}: build {t_build:.1f}s, first step {t_first:.1f}s, median step {med:.4f}s, "
-              f"{tokens / med:,.0f} tokens/s, MFU {mfu_pct(cfg.model, tokens / med, peak):.1f}%, "
-              f"peak mem {times['_mem_gib'].get(name, 0.0):.1f} GiB", flush=True)
+        med = statistics.median(out)  # this rank's (rank 0 prints; the table reduces over ranks)
+        _say(f"[block] {name}: build {t_build:.1f}s, first step {t_first:.1f}s, median step {med:.4f}s, "
+             f"{tokens / med:,.0f} tokens/s, MFU {mfu_pct(cfg.model, tokens / med, peak, _world()[1]):.1f}%, "
+             f"peak mem {times['_mem_gib'].get(name, 0.0):.1f} GiB", flush=True)
         del eng
         gc.collect()
         if device.type == "cuda":
@@ -196,7 +253,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
 def interleaved_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
     """(reference step seconds, forged step seconds), timed interleaved in this process."""
     sides = build_sides(cfg, [reference], engine_cls)
-    t = time_sides(cfg, sides, steps, warmup)
+    t = reduce_over_ranks(time_sides(cfg, sides, steps, warmup))
     return t[reference], t["forged"]
 
 
@@ -216,8 +273,8 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
         med = statistics.median(ts)
         rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "tokens_per_s": tokens / med,
-                     "mfu_pct": mfu_pct(cfg.model, tokens / med, peak), "mem_gib": mem.get(name),
-                     "forged_speedup": med / base, "n": len(ts), "peak": label})
+                     "mfu_pct": mfu_pct(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
+                     "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1]})
     return rows
 
 
@@ -228,21 +285,32 @@ def print_table(rows: list[dict]) -> None:
         mem = f"{r['mem_gib']:.1f}" if r["mem_gib"] is not None else "-"
         print(f"{r['side']:<12} {r['step_s']:>9.4f} {r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} "
               f"{r['mfu_pct']:>8.2f} {mem:>8} {r['forged_speedup']:>9.2f}")
-    print(f"MFU = 6*(N-N_emb)+12*L*h*s FLOPs/token x tokens/s / peak ({rows[0]['peak']})")
+    print(f"MFU = 6*(N-N_emb)+12*L*h*s FLOPs/token x tokens/s / (peak x {rows[0]['devices']} devices) "
+          f"({rows[0]['peak']})")
 
 
 def bench_task(cfg) -> None:
     from omegaconf import OmegaConf
 
-    from forgetrain.trace import atomic_write_json
-    from forgetrain.train import _out_dir, versions
-
     obj = OmegaConf.to_container(cfg, resolve=True)
     b = BenchConfig(**obj.pop("bench"))
     rc = to_run_config(obj)
+    import os
+
     from forgetrain.config import validate
 
-    validate(rc)
+    validate(rc, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    from forgetrain.distributed import collective_errors, init_distributed
+
+    env = init_distributed(rc.parallel)
+    with collective_errors(rc.parallel.timeout_s):
+        _bench(rc, b, env.rank)
+
+
+def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import _out_dir, versions
+
     against = list(b.against)
     fits = _bytes_per_engine(rc) * (1 + len(against)) < 0.4 * (
         torch.cuda.get_device_properties(0).total_memory if rc.hardware.device == "cuda" else 8e9)
@@ -250,6 +318,9 @@ def bench_task(cfg) -> None:
         mode, times = "interleaved", time_sides(rc, build_sides(rc, against), b.steps, b.warmup)
     else:
         mode, times = "sequential A-B-A", sequential_times(rc, against, b.steps, b.warmup)
+    times = reduce_over_ranks(times)
+    if rank != 0:
+        return
     rows = summarize(rc, times)
     print(f"timing: {mode}; warm-up {b.warmup}, median of {b.steps} steps per side; tokens/step "
           f"{rc.train.global_batch_size * rc.model.seq_length}")

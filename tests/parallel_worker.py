@@ -3,8 +3,8 @@
 ``JOBS.json`` is a list of runs executed one after another in the same processes (one launch pays the torch /
 megatron import once). Each job is a dict:
 
-* ``side``: ``reference`` (the Megatron reference; rank 0 writes ``OUT/init.safetensors``) or ``candidate``
-  (the forged engine, or ``engine: "module:Class"``);
+* ``side``: ``reference`` (the reference named by ``reference``, default ``megatron``; rank 0 writes
+  ``OUT/init.safetensors``) or ``candidate`` (the forged engine, or ``engine: "module:Class"``);
 * ``out``: output directory; ``overrides``: Hydra overrides on top of ``conf/config.yaml``
   (e.g. ``["parallel=dp2", "model=llama_micro"]``);
 * optional ``init`` (HF safetensors the candidate starts from), ``digests`` (default true),
@@ -49,7 +49,8 @@ def run_job(job: dict) -> Path:
     out = Path(job["out"])
     run_cfg = _run_cfg(cfg, out, **over)
     if job["side"] == "reference":
-        return train(run_cfg, kind="references", engine_name="megatron", progress=False, export_init=True)
+        return train(run_cfg, kind="references", engine_name=job.get("reference", "megatron"), progress=False,
+                     export_init=True)
     engine_cls = None
     if job.get("engine"):
         mod, cls = job["engine"].split(":")

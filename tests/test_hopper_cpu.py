@@ -85,3 +85,66 @@ def test_fast_mode_switches_match_exact_at_step1_and_train(name):
     p = subprocess.run([sys.executable, "-c", f"import tests.test_hopper_cpu as t; t.check_switch({name!r})"],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------- DP=2 (gloo)
+# One two-rank torchrun launch: the Megatron reference at DP=2 (DDP, grad_reduce_in_fp32) and the Hopper engine's
+# exact mode at DP=2 from its init, fp32 and bf16, plus a mutant that skips the 1/DP scaling. The same code path
+# runs on NCCL on GPUs (scripts/device/multi_gpu_llama8b.sh).
+HOPPER_EXACT = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "engine.mode=exact",
+                "engine.compile=false", "kernels.cross_entropy=torch", "kernels.adamw=torch",
+                "train.deterministic=true", "train.micro_batch_size=2", "train.global_batch_size=8",
+                "train.lr_warmup_steps=2", "train.steps=6", "parallel=dp2"]
+
+
+class HopperNoDPScale(Hopper):
+    """Sums the DP ranks' gradients instead of averaging them (the 1/DP scaling before the all-reduce dropped)."""
+
+    def _setup_dp_buffer(self):
+        super()._setup_dp_buffer()
+        finish = self.ddp.finish_grad_sync
+
+        def no_scale():
+            self.ddp.grad_data *= float(self.dp_size)  # undo the 1/DP that finish_grad_sync applies
+            finish()
+        self.ddp.finish_grad_sync = no_scale
+
+
+@pytest.fixture(scope="module")
+def hopper_dp2(tmp_path_factory):
+    from tests.test_parallel import Runs, _cache, run_jobs
+
+    tmp = tmp_path_factory.mktemp("hopper_dp2")
+    d = {n: tmp / n for n in ("ref_fp32", "cand_fp32", "ref_bf16", "cand_bf16", "no_scale")}
+    jobs = []
+    for p in ("fp32", "bf16"):
+        over = [*HOPPER_EXACT, f"train.precision={p}"]
+        jobs += [{"side": "reference", "out": str(d[f"ref_{p}"]), "overrides": over},
+                 {"side": "candidate", "out": str(d[f"cand_{p}"]), "overrides": over,
+                  "init": str(d[f"ref_{p}"] / "init.safetensors")}]
+    jobs.append({"side": "candidate", "out": str(d["no_scale"]), "overrides": [*HOPPER_EXACT, "train.precision=fp32"],
+                 "init": str(d["ref_fp32"] / "init.safetensors"), "engine": "tests.test_hopper_cpu:HopperNoDPScale"})
+    return Runs(d, run_jobs(jobs, tmp, _cache(tmp_path_factory)), 0.0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hopper_dp2_is_bitwise_vs_reference_dp2(hopper_dp2, precision):
+    ref, cand = hopper_dp2[f"ref_{precision}"], hopper_dp2[f"cand_{precision}"]
+    v = eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise"))
+    assert v.passed, v.summary
+
+
+def test_hopper_dp2_bitwise_rejects_missing_dp_scaling(hopper_dp2):
+    v = eq.bitwise(hopper_dp2["ref_fp32"] / "trace", hopper_dp2["no_scale"] / "trace", eq.load_tier("bitwise"))
+    assert not v.passed
+    assert v.first_divergence["step"] == 1 and v.first_divergence["kind"] == "grad", v.first_divergence
+
+
+def test_hopper_rejects_layouts_it_does_not_implement():
+    from forgetrain.errors import ConfigError
+
+    c = _exact()
+    for par in ({"tensor_parallel_size": 2}, {"zero_stage": 1}):
+        bad = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **par))
+        with pytest.raises(ConfigError, match="only data parallelism"):
+            Hopper(bad, "cpu")

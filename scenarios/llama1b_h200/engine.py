@@ -11,13 +11,21 @@ Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier i
 * ``fast`` -- ``fast.FastLlama``: batch-first, SDPA attention, chunked LM-head cross-entropy, optional
   ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
   Target: **loss-curve**, then **surpass**.
+
+Data parallelism (``parallel.data_parallel_size > 1``, ZeRO-0, under torchrun): the fp32 ``main_grad`` tensors
+are views of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration
+order, one bucket: ``scenarios/llama_tiny_cpu/parallel.GradBuffer``); after the last micro-batch the buffer is
+scaled by 1/DP and all-reduced (SUM), Megatron's ``grad_reduce_in_fp32`` DDP arithmetic. TP, ZeRO-1 and FSDP are
+not implemented in this engine (ConfigError).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from forgetrain.engine import StepResult
+from forgetrain.errors import ConfigError
 from forgetrain.schedule import lr_for_step
 from scenarios.llama_tiny_cpu.engine import Engine as _ExactCPUEngine
 from scenarios.llama_tiny_cpu.model import TP1, Llama
@@ -34,8 +42,14 @@ class Engine(_ExactCPUEngine):
         self.opts, self.kernels = cfg.engine, cfg.kernels
         self.bf16 = self.tcfg.precision == "bf16"
         self.fast = self.opts.mode == "fast"
-        # Single-device engine: the parallel paths of the CPU base class stay switched off.
+        # DP only: the TP / ZeRO-1 / FSDP paths of the CPU base class stay switched off.
         self.pcfg, self.tp, self._dp_group, self.fsdp, self.ddp = cfg.parallel, TP1, None, False, None
+        self.dp_size, self.zero_stage = self.pcfg.data_parallel_size, self.pcfg.zero_stage
+        self.tp_size = self.pcfg.tensor_parallel_size
+        if self.tp_size != 1 or self.zero_stage != 0:
+            raise ConfigError(f"{self.name}: only data parallelism (parallel.zero_stage=0, TP=1) is implemented; "
+                              f"got TP={self.tp_size} zero_stage={self.zero_stage} (llama_tiny_cpu has TP, ZeRO-1 "
+                              f"and FSDP2)")
         with torch.device(self.device):
             if self.fast:
                 from scenarios.llama1b_h200.fast import FastLlama
@@ -61,10 +75,25 @@ class Engine(_ExactCPUEngine):
             self.model.to(torch.bfloat16)
         else:
             self.main = {k: p.data for k, p in named.items()}
-        self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
+        if self.dp_size > 1:
+            self._setup_dp_buffer()
+        else:
+            self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
         self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
                            for k, v in self.main.items()}
         self.completed_steps = 0
+
+    def _setup_dp_buffer(self) -> None:
+        """DP > 1: ``main_grad[k]`` become views of one flat fp32 buffer in Megatron DDP's layout (reverse
+        registration order, one bucket), reduced by ``GradBuffer.finish_grad_sync`` after the last micro-batch."""
+        from scenarios.llama_tiny_cpu.parallel import GradBuffer, build_groups, megatron_registration_order
+
+        _, _, self._dp_group = build_groups(self.dp_size, 1)
+        order = megatron_registration_order(self.mcfg.num_layers)
+        if sorted(order) != sorted(self.main):  # fast mode's own parameter names: its registration order
+            order = list(self.main)
+        self.ddp = GradBuffer(self.main, order, group=self._dp_group, zero1=False, bucket_size=None, overlap=False)
+        self.main_grad = {k: self.ddp.view(self.ddp.grad_data, k) for k in self.main}
 
     def _sync_model_from_main(self) -> None:
         if self.bf16:
@@ -89,6 +118,8 @@ class Engine(_ExactCPUEngine):
         keys = list(self.main)
         n = len(micro_batches)
         losses, per_token = [], []
+        if self.ddp is not None:
+            self.ddp.new_step()
         for i, mb in enumerate(micro_batches):
             mb = self._check(mb)
             if self.fast:
@@ -107,6 +138,8 @@ class Engine(_ExactCPUEngine):
                 named[k].grad = None
             losses.append(loss.detach())
             per_token.append(tok.detach())
+        if self.ddp is not None:
+            self.ddp.finish_grad_sync()  # x 1/DP, all-reduce SUM over the flat fp32 buffer
         order = self._norm_order()
         grads = [self.main_grad[k] for k in order]
         if self.tcfg.digests:
@@ -130,6 +163,10 @@ class Engine(_ExactCPUEngine):
         self._sync_model_from_main()
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
+        if self.pcfg.report_loss == "dp_mean" and self.dp_size > 1:
+            loss_mean = loss_mean.detach().float().reshape(1).clone()
+            dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM, group=self._dp_group)
+            loss_mean = loss_mean[0] / self.dp_size
         return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float())
 

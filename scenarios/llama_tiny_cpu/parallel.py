@@ -172,6 +172,10 @@ class GradBuffer:
         self.grad_data.zero_()
         for n, p in self.params.items():
             p.grad = self.view(self.grad_data, n)
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Forget the last step's launched buckets (for owners that fill ``grad_data`` themselves)."""
         self._ready = [0] * len(self.buckets)
         self._launched = [False] * len(self.buckets)
         self._armed = False
