@@ -88,8 +88,9 @@ def test_fast_mode_switches_match_exact_at_step1_and_train(name):
 
 
 # --------------------------------------------------------------------------------------------- DP=2 (gloo)
-# One two-rank torchrun launch: the Megatron reference at DP=2 (DDP, grad_reduce_in_fp32) and the Hopper engine's
-# exact mode at DP=2 from its init, fp32 and bf16, plus a mutant that skips the 1/DP scaling. The same code path
+# One two-rank torchrun launch: the Megatron reference at DP=2 (DDP, grad_reduce_in_fp32; and ZeRO-1, its
+# distributed optimizer) and the Hopper engine's exact mode from its init, fp32 and bf16, a ZeRO-1 run saved at
+# step 3 and resumed, plus a mutant that skips the 1/DP scaling. The same code path
 # runs on NCCL on GPUs (scripts/device/multi_gpu_llama8b.sh).
 HOPPER_EXACT = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "engine.mode=exact",
                 "engine.compile=false", "kernels.cross_entropy=torch", "kernels.adamw=torch",
@@ -115,22 +116,37 @@ def hopper_dp2(tmp_path_factory):
     from tests.test_parallel import Runs, _cache, run_jobs
 
     tmp = tmp_path_factory.mktemp("hopper_dp2")
-    d = {n: tmp / n for n in ("ref_fp32", "cand_fp32", "ref_bf16", "cand_bf16", "no_scale")}
+    names = [f"{side}{z}_{p}" for side in ("ref", "cand") for z in ("", "_z1") for p in ("fp32", "bf16")]
+    d = {n: tmp / n for n in [*names, "no_scale", "cand_z1_part"]}
     jobs = []
-    for p in ("fp32", "bf16"):
-        over = [*HOPPER_EXACT, f"train.precision={p}"]
-        jobs += [{"side": "reference", "out": str(d[f"ref_{p}"]), "overrides": over},
-                 {"side": "candidate", "out": str(d[f"cand_{p}"]), "overrides": over,
-                  "init": str(d[f"ref_{p}"] / "init.safetensors")}]
+    for z, zover in (("", []), ("_z1", ["parallel.zero_stage=1"])):
+        for p in ("fp32", "bf16"):
+            over = [*HOPPER_EXACT, f"train.precision={p}", *zover]
+            jobs += [{"side": "reference", "out": str(d[f"ref{z}_{p}"]), "overrides": over},
+                     {"side": "candidate", "out": str(d[f"cand{z}_{p}"]), "overrides": over,
+                      "init": str(d[f"ref{z}_{p}"] / "init.safetensors")}]
+    z1_bf16 = [*HOPPER_EXACT, "train.precision=bf16", "parallel.zero_stage=1"]
+    for part in ({"stop_after": 3}, {"resume": True}):
+        jobs.append({"side": "candidate", "out": str(d["cand_z1_part"]), "overrides": z1_bf16,
+                     "init": str(d["ref_z1_bf16"] / "init.safetensors"), **part})
     jobs.append({"side": "candidate", "out": str(d["no_scale"]), "overrides": [*HOPPER_EXACT, "train.precision=fp32"],
                  "init": str(d["ref_fp32"] / "init.safetensors"), "engine": "tests.test_hopper_cpu:HopperNoDPScale"})
     return Runs(d, run_jobs(jobs, tmp, _cache(tmp_path_factory)), 0.0)
 
 
+@pytest.mark.parametrize("zero", ["", "_z1"], ids=["ddp", "zero1"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_hopper_dp2_is_bitwise_vs_reference_dp2(hopper_dp2, precision):
-    ref, cand = hopper_dp2[f"ref_{precision}"], hopper_dp2[f"cand_{precision}"]
+def test_hopper_dp2_is_bitwise_vs_reference_dp2(hopper_dp2, precision, zero):
+    ref, cand = hopper_dp2[f"ref{zero}_{precision}"], hopper_dp2[f"cand{zero}_{precision}"]
     v = eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise"))
+    assert v.passed, v.summary
+
+
+def test_hopper_zero1_resume_is_bitwise(hopper_dp2):
+    """ZeRO-1, bf16: saved at step 3 (moments all-gathered into the DP-independent layout), resumed, equal to the
+    uninterrupted run."""
+    v = eq.bitwise(hopper_dp2["cand_z1_bf16"] / "trace", hopper_dp2["cand_z1_part"] / "trace",
+                   eq.load_tier("bitwise"))
     assert v.passed, v.summary
 
 
@@ -144,7 +160,7 @@ def test_hopper_rejects_layouts_it_does_not_implement():
     from forgetrain.errors import ConfigError
 
     c = _exact()
-    for par in ({"tensor_parallel_size": 2}, {"zero_stage": 1}):
+    for par in ({"tensor_parallel_size": 2}, {"zero_stage": 3}):
         bad = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **par))
         with pytest.raises(ConfigError, match="only data parallelism"):
             Hopper(bad, "cpu")

@@ -223,15 +223,45 @@ class Engine:
         return out
 
     def _main_param(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The fp32 values the optimizer updates for model param p, shaped like p (p itself under fp32)."""
+        """The fp32 values the optimizer updates for model param p, shaped like p (p itself under fp32).
+
+        Under the distributed optimizer at DP > 1 each rank holds a flat shard of it: the full tensor is
+        assembled over the DP group (a collective: every rank must call this) and is a copy, so writes go
+        through :meth:`_set_main_param`."""
         if not self.bf16:
             return p
-        main = p.main_param
-        if main.shape != p.shape:  # DistributedOptimizer: a flat shard of the param
-            if self.dp_size != 1 or main.numel() != p.numel():
-                raise NotImplementedError("bf16 main params of a DP-sharded distributed optimizer are not gathered")
-            main = main.view(p.shape)
-        return main
+        main = getattr(p, "main_param", None)  # None on a rank that owns no element of p
+        if not self._main_sharded():
+            return main.view(p.shape)
+        full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if main is not None:
+            start, end = self._main_shard_range(p)
+            full[start:end] = main  # each element is owned by exactly one rank: the SUM assembles, exactly
+        torch.distributed.all_reduce(full, group=self._ps.get_data_parallel_group())
+        return full.view(p.shape)
+
+    def _set_main_param(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Write fp32 ``value`` (shaped like p) into p's main param (this rank's shard of it, if sharded)."""
+        main = getattr(p, "main_param", None)
+        if main is None:  # this rank owns no element of p
+            return
+        if not self._main_sharded():
+            main.copy_(value.view(main.shape))
+            return
+        start, end = self._main_shard_range(p)
+        main.copy_(value.reshape(-1)[start:end])
+
+    def _main_sharded(self) -> bool:
+        """bf16 main params are split over the DP ranks (the distributed optimizer at DP > 1)."""
+        return self.ddp_config.use_distributed_optimizer and self.dp_size > 1
+
+    def _main_shard_range(self, p: torch.nn.Parameter) -> tuple[int, int]:
+        """[start, end) of p's flattened elements whose fp32 main copy this rank's distributed optimizer owns."""
+        for inner in self.optimizer.chained_optimizers:
+            if hasattr(inner, "model_param_gbuf_map") and p in inner.model_param_gbuf_map:
+                r = inner._get_model_param_range_map(p)["param"]
+                return r.start, r.end
+        raise KeyError("parameter not managed by a distributed optimizer")
 
     def _optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
         """(model param name, the tensor the torch optimizer steps) in the optimizer's own order."""
@@ -258,7 +288,7 @@ class Engine:
             for n, prm in self._named_params().items():
                 prm.copy_(fresh[n])
                 if self.bf16:
-                    self._main_param(prm).copy_(prm.float())
+                    self._set_main_param(prm, prm.float())
         self._reset_training_state()
 
     def _reset_training_state(self) -> None:
@@ -286,7 +316,7 @@ class Engine:
                     raise ValueError(f"{n}: shape {tuple(src.shape)} != {tuple(prm.shape)}")
                 prm.copy_(src.to(device=prm.device, dtype=prm.dtype))
                 if self.bf16:
-                    self._main_param(prm).copy_(src.to(device=prm.device, dtype=torch.float32))
+                    self._set_main_param(prm, src.to(device=prm.device, dtype=torch.float32))
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
         """fp32 HF-layout weights on CPU (bf16: the fp32 main params the optimizer updates). Under TP every rank

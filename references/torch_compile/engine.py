@@ -82,6 +82,12 @@ class Engine:
     """Benchmark baseline implementing forgetrain.engine.TrainEngine (no module probes, no digests)."""
 
     def __init__(self, cfg, device):
+        p = cfg.parallel
+        if p.data_parallel_size * p.tensor_parallel_size > 1:
+            from forgetrain.errors import ConfigError
+
+            raise ConfigError("references/torch_compile is a single-device baseline (no gradient reduction); "
+                              "bench it with parallel=single, or against megatron / deepspeed under torchrun")
         self.cfg, self.device, self.t = cfg, torch.device(device), cfg.train
         with torch.device(self.device):
             self.model = _Llama(cfg.model)

@@ -12,11 +12,13 @@ Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier i
   ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
   Target: **loss-curve**, then **surpass**.
 
-Data parallelism (``parallel.data_parallel_size > 1``, ZeRO-0, under torchrun): the fp32 ``main_grad`` tensors
-are views of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration
-order, one bucket: ``scenarios/llama_tiny_cpu/parallel.GradBuffer``); after the last micro-batch the buffer is
-scaled by 1/DP and all-reduced (SUM), Megatron's ``grad_reduce_in_fp32`` DDP arithmetic. TP, ZeRO-1 and FSDP are
-not implemented in this engine (ConfigError).
+Data parallelism (``parallel.data_parallel_size > 1``, under torchrun): the fp32 ``main_grad`` tensors are views
+of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration order, one
+bucket: ``scenarios/llama_tiny_cpu/parallel.GradBuffer``); after the last micro-batch the buffer is scaled by 1/DP
+and all-reduced (SUM), Megatron's ``grad_reduce_in_fp32`` DDP arithmetic. ``parallel.zero_stage=1`` is Megatron's
+distributed optimizer: the buffer is reduce-scattered instead, the grad norm is the sum of the shards' squared
+norms, AdamW state exists only for this rank's shard, and the updated fp32 main weights are all-gathered before
+the bf16 copy. TP and FSDP are not implemented in this engine (ConfigError).
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ class Engine(_ExactCPUEngine):
         self.opts, self.kernels = cfg.engine, cfg.kernels
         self.bf16 = self.tcfg.precision == "bf16"
         self.fast = self.opts.mode == "fast"
-        # DP only: the TP / ZeRO-1 / FSDP paths of the CPU base class stay switched off.
+        # DP and ZeRO-1 only: the TP / FSDP paths of the CPU base class stay switched off.
         self.pcfg, self.tp, self._dp_group, self.fsdp, self.ddp = cfg.parallel, TP1, None, False, None
         self.dp_size, self.zero_stage = self.pcfg.data_parallel_size, self.pcfg.zero_stage
         self.tp_size = self.pcfg.tensor_parallel_size
-        if self.tp_size != 1 or self.zero_stage != 0:
-            raise ConfigError(f"{self.name}: only data parallelism (parallel.zero_stage=0, TP=1) is implemented; "
-                              f"got TP={self.tp_size} zero_stage={self.zero_stage} (llama_tiny_cpu has TP, ZeRO-1 "
-                              f"and FSDP2)")
+        if self.tp_size != 1 or self.zero_stage not in (0, 1):
+            raise ConfigError(f"{self.name}: only data parallelism (parallel.zero_stage 0 or 1, TP=1) is "
+                              f"implemented; got TP={self.tp_size} zero_stage={self.zero_stage} (llama_tiny_cpu has "
+                              f"TP and FSDP2)")
         with torch.device(self.device):
             if self.fast:
                 from scenarios.llama1b_h200.fast import FastLlama
@@ -75,13 +77,13 @@ class Engine(_ExactCPUEngine):
             self.model.to(torch.bfloat16)
         else:
             self.main = {k: p.data for k, p in named.items()}
-        if self.dp_size > 1:
-            self._setup_dp_buffer()
+        self.completed_steps = 0
+        if self.dp_size > 1 or self.zero_stage == 1:
+            self._setup_dp_buffer()  # also shards the AdamW state under ZeRO-1
         else:
             self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
-        self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
-                           for k, v in self.main.items()}
-        self.completed_steps = 0
+            self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
+                               for k, v in self.main.items()}
 
     def _setup_dp_buffer(self) -> None:
         """DP > 1: ``main_grad[k]`` become views of one flat fp32 buffer in Megatron DDP's layout (reverse
@@ -92,8 +94,19 @@ class Engine(_ExactCPUEngine):
         order = megatron_registration_order(self.mcfg.num_layers)
         if sorted(order) != sorted(self.main):  # fast mode's own parameter names: its registration order
             order = list(self.main)
-        self.ddp = GradBuffer(self.main, order, group=self._dp_group, zero1=False, bucket_size=None, overlap=False)
+        # fp32: the buffer holds the model's own Parameters (ZeRO-1 re-points their .data into its flat fp32 param
+        # buffer, so the all-gather writes the model weights); bf16: the fp32 main weights.
+        params = self.main if self.bf16 else self._named()
+        self.ddp = GradBuffer(params, order, group=self._dp_group, zero1=self.zero_stage == 1, bucket_size=None,
+                              overlap=False)
+        if not self.bf16:
+            self.main = {k: p.data for k, p in params.items()}
         self.main_grad = {k: self.ddp.view(self.ddp.grad_data, k) for k in self.main}
+        if self.zero_stage == 1:
+            self._shard_adam_state()
+        else:
+            self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
+                               for k, v in self.main.items()}
 
     def _sync_model_from_main(self) -> None:
         if self.bf16:
@@ -141,25 +154,13 @@ class Engine(_ExactCPUEngine):
         if self.ddp is not None:
             self.ddp.finish_grad_sync()  # x 1/DP, all-reduce SUM over the flat fp32 buffer
         order = self._norm_order()
-        grads = [self.main_grad[k] for k in order]
-        if self.tcfg.digests:
+        if self.tcfg.digests:  # under ZeRO-1 the whole local buffer, as the reference's main_grad snapshot
             self._last_grads = {k: self.main_grad[k].clone() for k in order}
-        if self.fast:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-        else:  # Megatron: norm of per-tensor norms (host), squared on device, .item() ** 0.5
-            l2 = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads], dtype=torch.float32))
-            total_sq = torch.tensor([float(l2)], dtype=torch.float32, device=self.device) ** 2.0
-            grad_norm = total_sq.item() ** 0.5
-        if self.tcfg.clip_grad > 0:
-            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                if self.fast:
-                    torch._foreach_mul_(grads, coeff)
-                else:
-                    for g in grads:
-                        g.copy_(g * coeff)
-        lr = lr_for_step(self.tcfg, self.completed_steps)
-        self._adamw_step(lr)
+        if self.zero1:
+            grad_norm = self._zero1_update()
+        else:
+            grad_norm = self._replicated_update(order)
+        lr = self._lr
         self._sync_model_from_main()
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
@@ -170,24 +171,84 @@ class Engine(_ExactCPUEngine):
         return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float())
 
-    @torch.no_grad()
-    def _adamw_step(self, lr: float) -> None:
-        t = self.tcfg
-        b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
-        for k in self.adam_state:
-            self.adam_state[k]["step"] += 1.0
-        step = next(iter(self.adam_state.values()))["step"]
+    @property
+    def zero1(self) -> bool:
+        return self.ddp is not None and self.ddp.zero1
+
+    @property
+    def _lr(self) -> float:
+        return lr_for_step(self.tcfg, self.completed_steps)
+
+    def _clip_coeff(self, grad_norm: float) -> float | None:
+        """Megatron's clip_grad_by_total_norm_fp32 coefficient, or None when no clipping applies."""
+        if self.tcfg.clip_grad > 0:
+            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                return coeff
+        return None
+
+    def _zero1_update(self) -> float:
+        """ZeRO-1 after the reduce-scatter: the norm of the shards, clip and AdamW on this rank's pieces of the fp32
+        main weights (``ddp.param_data``), then the all-gather of the updated main weights."""
+        d = self.ddp
+        grad_norm = d.grad_norm_sq_shards().item() ** 0.5
+        pieces = [(pc, d.grad_data[pc.buf_start:pc.buf_end]) for pc in d.pieces]
+        coeff = self._clip_coeff(grad_norm)
+        if coeff is not None:
+            for _, g in pieces:
+                g.copy_(g * coeff)
+        groups = []
+        for decay in (True, False):  # the distributed optimizer's groups: 2-D (wd) pieces, then 1-D norm pieces
+            sel = [(pc, g) for pc, g in pieces if (pc.group == 0) == decay]
+            groups.append((decay, [d.param_data[pc.buf_start:pc.buf_end] for pc, _ in sel], [g for _, g in sel],
+                           [self.adam_state[pc.name] for pc, _ in sel]))
+        self._adamw_groups(groups, self._lr)
+        d.gather_params()
+        return grad_norm
+
+    def _replicated_update(self, order: list[str]) -> float:
+        grads = [self.main_grad[k] for k in order]
+        if self.fast:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        else:  # Megatron: norm of per-tensor norms (host), squared on device, .item() ** 0.5
+            l2 = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads], dtype=torch.float32))
+            total_sq = torch.tensor([float(l2)], dtype=torch.float32, device=self.device) ** 2.0
+            grad_norm = total_sq.item() ** 0.5
+        coeff = self._clip_coeff(grad_norm)
+        if coeff is not None:
+            if self.fast:
+                torch._foreach_mul_(grads, coeff)
+            else:
+                for g in grads:
+                    g.copy_(g * coeff)
+        groups = []
         for decay in (True, False):  # Megatron's two param groups: 2-D weights (wd) and 1-D norms (no wd)
             ks = [k for k in self.main if (self.main[k].dim() > 1) == decay]
-            if not ks:
+            groups.append((decay, [self.main[k] for k in ks], [self.main_grad[k] for k in ks],
+                           [self.adam_state[k] for k in ks]))
+        self._adamw_groups(groups, self._lr)
+        return grad_norm
+
+    @torch.no_grad()
+    def _adamw_groups(self, groups, lr: float) -> None:
+        """torch AdamW over ``groups`` = [(decayed, params, grads, states)], each state a dict with ``step``,
+        ``exp_avg``, ``exp_avg_sq`` (tensors elementwise-aligned with the params: whole tensors or ZeRO-1 pieces).
+        Arithmetic: torch's foreach path on CUDA, its single-tensor path on CPU (each framework's default there),
+        or the fused / Triton kernels chosen by ``kernels.adamw``."""
+        t = self.tcfg
+        b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
+        states = [st for _, _, _, sts in groups for st in sts]
+        for st in states:
+            st["step"] += 1.0
+        step = states[0]["step"] if states else float(self.completed_steps + 1)
+        for decay, p, g, sts in groups:
+            if not p:
                 continue
-            p = [self.main[k] for k in ks]
-            g = [self.main_grad[k] for k in ks]
-            m = [self.adam_state[k]["exp_avg"] for k in ks]
-            v = [self.adam_state[k]["exp_avg_sq"] for k in ks]
+            m = [st["exp_avg"] for st in sts]
+            v = [st["exp_avg_sq"] for st in sts]
             wd = t.weight_decay if decay else 0.0
             if self.kernels.adamw == "fused" and self.device.type == "cuda":
-                steps = [torch.tensor(step, device=self.device) for _ in ks]
+                steps = [torch.tensor(step, device=self.device) for _ in p]
                 torch._fused_adamw_(p, g, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                                     amsgrad=False, maximize=False)
                 continue
@@ -211,8 +272,8 @@ class Engine(_ExactCPUEngine):
             torch._foreach_lerp_(m, g, 1 - b1)
             torch._foreach_mul_(v, b2)
             torch._foreach_addcmul_(v, g, g, 1 - b2)
-            bc1 = [1 - b1 ** step for _ in ks]
-            bc2 = [1 - b2 ** step for _ in ks]
+            bc1 = [1 - b1 ** step for _ in p]
+            bc2 = [1 - b2 ** step for _ in p]
             step_size = [(lr / bc) * -1 for bc in bc1]
             bc2_sqrt = [bc ** 0.5 for bc in bc2]
             denom = torch._foreach_sqrt(v)
@@ -240,18 +301,37 @@ class Engine(_ExactCPUEngine):
 
     # ------------------------------------------------------------------ checkpoint / probes
     def state_dict(self) -> dict:
-        opt = {k: {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
-                   "exp_avg_sq": st["exp_avg_sq"]} for k, st in self.adam_state.items()}
+        """``{"main": {name: fp32 main weight}, "optimizer": {name: {"step", "exp_avg", "exp_avg_sq"}},
+        "completed_steps"}``, full tensors for every DP size and ZeRO stage (so DCP loads it into another layout).
+        Under ZeRO-1 the moment shards are all-gathered first: a collective, every rank must call it."""
+        if self.zero1:
+            d = self.ddp
+            m_full, v_full = d.gather_flat(self._m_shard), d.gather_flat(self._v_shard)
+            step = torch.tensor(float(self.completed_steps), dtype=torch.float64)
+            opt = {k: {"step": step.clone(), "exp_avg": d.view(m_full, k).clone(),
+                       "exp_avg_sq": d.view(v_full, k).clone()} for k in self.main}
+        else:
+            opt = {k: {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
+                       "exp_avg_sq": st["exp_avg_sq"]} for k, st in self.adam_state.items()}
         return {"main": dict(self.main), "optimizer": opt,
                 "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict) -> None:
-        for k, v in state["main"].items():
-            self.main[k].copy_(v)
-        for k, st in state["optimizer"].items():
-            self.adam_state[k]["step"] = float(st["step"])
-            self.adam_state[k]["exp_avg"].copy_(st["exp_avg"])
-            self.adam_state[k]["exp_avg_sq"].copy_(st["exp_avg_sq"])
+        """Restore a :meth:`state_dict` written under any DP size or ZeRO stage (copied in place)."""
+        with torch.no_grad():
+            for k, v in state["main"].items():
+                self.main[k].copy_(v)
+            if self.zero1:
+                for pc in self.ddp.pieces:
+                    st, src = self.adam_state[pc.name], state["optimizer"][pc.name]
+                    st["step"] = float(src["step"])
+                    st["exp_avg"].copy_(src["exp_avg"].reshape(-1)[pc.start:pc.end])
+                    st["exp_avg_sq"].copy_(src["exp_avg_sq"].reshape(-1)[pc.start:pc.end])
+            else:
+                for k, st in state["optimizer"].items():
+                    self.adam_state[k]["step"] = float(st["step"])
+                    self.adam_state[k]["exp_avg"].copy_(st["exp_avg"])
+                    self.adam_state[k]["exp_avg_sq"].copy_(st["exp_avg_sq"])
         self.completed_steps = int(state["completed_steps"])
         self._sync_model_from_main()
 
