@@ -17,7 +17,6 @@ and only rank 0 prints and writes ``bench.json``.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time

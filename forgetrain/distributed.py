@@ -93,3 +93,27 @@ def init_distributed(parallel_cfg) -> DistEnv:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s))
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+_WORLD1_STORE = None  # keeps the FileStore directory of a world-1 group alive for the process
+
+
+def ensure_process_group(parallel_cfg, device: torch.device) -> None:
+    """A world-1 default process group when none exists (a torchrun launch has already created one).
+
+    For engines whose framework needs a process group even in one process (Megatron's parallel state, DeepSpeed,
+    torchtitan's FSDP2 mesh). Backend from ``parallel.backend`` (``auto``: nccl on CUDA, gloo on CPU), timeout
+    ``parallel.timeout_s``, rendezvous through a private FileStore (no port is opened).
+    """
+    global _WORLD1_STORE
+    import tempfile
+
+    if dist.is_initialized():
+        return
+    backend = parallel_cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    _WORLD1_STORE = tempfile.TemporaryDirectory(prefix="forgetrain-pg-")
+    store = dist.FileStore(os.path.join(_WORLD1_STORE.name, "store"), 1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s))

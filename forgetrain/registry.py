@@ -8,7 +8,6 @@ Neither is imported at module level by the harness.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from pathlib import Path
 
 from forgetrain.errors import ConfigError

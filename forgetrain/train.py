@@ -34,8 +34,6 @@ def set_deterministic(on: bool, device: str) -> None:
     tokens' gradients in a thread-dependent order, so even the reference does not reproduce itself at the
     llama_tiny shape (measured 2026-11-29: two identical backward passes differed).
     """
-    import os
-
     if on and device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(bool(on), warn_only=False)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import shutil
 import sys
 from dataclasses import dataclass, field

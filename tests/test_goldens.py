@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import platform
-from pathlib import Path
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ The reference runs once per test session (``ref`` fixture); each candidate is ju
 Shapes: llama_micro (2 layers, width 64, GQA 4/2), micro-batch 2 x grad-accum 2, clipping active.
 """
 
-import copy
 import dataclasses
 from pathlib import Path
 

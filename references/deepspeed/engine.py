@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +33,6 @@ from forgetrain.config import RunConfig, grad_accum_steps
 from forgetrain.engine import StepResult, forward_names, hf_param_names
 from forgetrain.schedule import lr_for_step
 
-_PG_STORE_DIR: tempfile.TemporaryDirectory | None = None
-
 
 def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
     """World-1 process group when none exists (a torchrun launch has already created one).
@@ -43,19 +40,9 @@ def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
     DeepSpeed reuses an initialised torch.distributed group; it insists on ``LOCAL_RANK`` being set (its
     launchers set it), so a single process gets ``LOCAL_RANK=0`` when the variable is absent.
     """
-    global _PG_STORE_DIR
-    import datetime
+    from forgetrain.distributed import ensure_process_group
 
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = cfg.parallel.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        _PG_STORE_DIR = tempfile.TemporaryDirectory(prefix="forgetrain-deepspeed-pg-")
-        store = dist.FileStore(os.path.join(_PG_STORE_DIR.name, "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    ensure_process_group(cfg.parallel, device)
     os.environ.setdefault("LOCAL_RANK", "0")
 
 

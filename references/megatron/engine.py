@@ -14,7 +14,6 @@ losses ``[b, s]``; activations inside are sequence-first ``[s, b, h]``.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Iterator
 
 import torch
@@ -24,25 +23,12 @@ from forgetrain.config import RunConfig
 from forgetrain.engine import StepResult, forward_names
 from references.megatron import convert
 
-_PG_STORE_DIR: tempfile.TemporaryDirectory | None = None
-
 
 def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
     """World-1 process group when none exists (a torchrun launch has already created one)."""
-    global _PG_STORE_DIR
-    import datetime
+    from forgetrain.distributed import ensure_process_group
 
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    _PG_STORE_DIR = tempfile.TemporaryDirectory(prefix="forgetrain-megatron-pg-")
-    store = dist.FileStore(os.path.join(_PG_STORE_DIR.name, "store"), 1)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    ensure_process_group(cfg.parallel, device)
 
 
 def _init_model_parallel(cfg: RunConfig) -> None:

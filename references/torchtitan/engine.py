@@ -35,10 +35,8 @@ activations are batch-first ``[b, s, h]``.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import tempfile
 from functools import partial
 
 import torch
@@ -48,8 +46,6 @@ from forgetrain.config import RunConfig, grad_accum_steps
 from forgetrain.engine import StepResult, forward_names, hf_param_names
 from forgetrain.schedule import lr_for_step
 
-_PG_STORE_DIR: tempfile.TemporaryDirectory | None = None
-
 # Names of the RMSNorm weights in torchtitan's llama3 FQNs (attention_norm, ffn_norm, final norm): the
 # no-weight-decay group.
 NO_DECAY_PATTERN = r"(^|\.)(attention_norm|ffn_norm|norm)\.weight$"
@@ -57,18 +53,9 @@ NO_DECAY_PATTERN = r"(^|\.)(attention_norm|ffn_norm|norm)\.weight$"
 
 def _init_process_group(cfg: RunConfig, device: torch.device) -> None:
     """A world-1 process group when none exists (FSDP2 needs a device mesh; torchrun has already made one)."""
-    global _PG_STORE_DIR
-    import torch.distributed as dist
+    from forgetrain.distributed import ensure_process_group
 
-    if dist.is_initialized():
-        return
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    _PG_STORE_DIR = tempfile.TemporaryDirectory(prefix="forgetrain-torchtitan-pg-")
-    store = dist.FileStore(os.path.join(_PG_STORE_DIR.name, "store"), 1)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=cfg.parallel.timeout_s))
+    ensure_process_group(cfg.parallel, device)
 
 
 def llama3_config(model_cfg):
