@@ -1,0 +1,102 @@
+"""Each fast-mode optimisation of the Hopper engine against the Megatron-core reference at the tier it declares.
+
+``scenarios/llama1b_h200/optimisations.yaml`` declares, per optimisation, the weakest tier it may be judged at
+(batch-first layout and SDPA: loss_curve; chunked CE, fused AdamW and the Triton kernels: tolerance). Relaxation
+is monotonic, so a switch stacked on fast mode needs only the weakest tier of everything switched on; here each
+switch is *measured* on CPU in fp32 (llama_micro, micro-batch 2 x grad-accum 2, 4 steps, clipping active, from the
+reference's initial weights) and must pass the tolerance tier (conf/tier/tolerance.yaml), which implies every
+declared tier. Triton kernels run under the CPU interpreter, each switch in its own process (Triton 3.6's
+interpreter keeps state between kernels; ``TRITON_INTERPRET=1`` must be set before megatron imports triton).
+
+The GPU side of the same record (bf16, at scenario shapes) needs the device and is not run here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forgetrain import equivalence as eq
+from forgetrain.config import EngineOptions, KernelsConfig
+from forgetrain.verify import VerifyConfig, run_candidate, run_reference
+from tests.test_ladder import _cfg
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 4
+SWITCHES = {  # name -> (kernels.* overrides, the optimisations.yaml entries switched on)
+    "fast_torch": ({"cross_entropy": "torch"}, ["batch_first_layout", "sdpa_attention"]),
+    "chunked_ce": ({"cross_entropy": "chunked"}, ["batch_first_layout", "sdpa_attention",
+                                                  "chunked_lm_head_cross_entropy"]),
+    "triton_rmsnorm": ({"rmsnorm": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
+    "triton_swiglu": ({"swiglu": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
+    "triton_rope": ({"rope": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
+    "triton_ce": ({"cross_entropy": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
+    "triton_adamw": ({"adamw": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
+}
+LADDER = ["bitwise", "tolerance", "loss_curve", "surpass"]  # strictest first
+
+
+def fast_cfg(kernels: dict, **model):
+    c = _cfg()
+    if model:
+        c = dataclasses.replace(c, model=dataclasses.replace(c.model, **model))
+    return dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24),
+                               kernels=KernelsConfig(**kernels))
+
+
+def run_switch(name: str, ref: str, out: str, **model) -> None:
+    """Train the fast Hopper engine with switch ``name`` from ``ref``'s init for STEPS steps into ``out``."""
+    from scenarios.llama1b_h200.engine import Engine as Hopper
+
+    run_candidate(fast_cfg(SWITCHES[name][0], **model), VerifyConfig(steps=STEPS), Path(out), STEPS,
+                  Path(ref) / "init.safetensors", Hopper)
+
+
+def declared(entries: list[str]) -> str:
+    """The weakest declared tier among ``entries`` of optimisations.yaml."""
+    from omegaconf import OmegaConf
+
+    opts = OmegaConf.load(ROOT / "scenarios" / "llama1b_h200" / "optimisations.yaml").optimisations
+    return max((opts[e].declared_tier for e in entries), key=LADDER.index)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    return run_reference(_cfg(), VerifyConfig(steps=STEPS), tmp_path_factory.mktemp("fast_ref"), STEPS)
+
+
+def _candidate(name: str, ref: Path, out: Path, **model) -> Path:
+    if not name.startswith("triton"):
+        run_switch(name, str(ref), str(out), **model)
+        return out
+    pytest.importorskip("forgetrain.kernels._triton")
+    code = f"from tests.test_fast_tiers import run_switch; run_switch({name!r}, {str(ref)!r}, {str(out)!r})"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHES))
+def test_switch_passes_its_declared_tier(name, ref, tmp_path):
+    want = declared(SWITCHES[name][1])
+    cand = _candidate(name, ref, tmp_path / name)
+    v = eq.tolerance(ref / "trace", cand / "trace", eq.load_tier("tolerance"))
+    assert v.passed, f"{name} (declared {want}): {v.summary}"
+    assert LADDER.index("tolerance") <= LADDER.index(want)  # tolerance implies the declared tier
+    print(f"{name}: passes tolerance (declared {want}): {v.summary}")
+
+
+def test_switch_gate_rejects_a_wrong_fast_engine(ref, tmp_path):
+    """The fast engine with RMSNorm epsilon 1e-4 instead of the model's 1e-5 is rejected, at step 1."""
+    cand = tmp_path / "eps"
+    run_switch("fast_torch", str(ref), str(cand), norm_epsilon=1e-4)
+    v = eq.tolerance(ref / "trace", cand / "trace", eq.load_tier("tolerance"))
+    assert not v.passed, v.summary
+    assert v.first_divergence is not None and v.first_divergence["step"] == 1, v.first_divergence
