@@ -288,11 +288,24 @@ def print_table(rows: list[dict]) -> None:
           f"({rows[0]['peak']})")
 
 
+def _check_bench(b: BenchConfig) -> None:
+    """Raises ConfigError for bench settings that cannot give a median."""
+    from forgetrain.errors import ConfigError
+
+    if b.steps < 1:
+        raise ConfigError(f"bench.steps must be >= 1 (timed steps per side), got {b.steps}")
+    if b.warmup < 0:
+        raise ConfigError(f"bench.warmup must be >= 0, got {b.warmup}")
+    if b.interleave not in ("auto", "always", "never"):
+        raise ConfigError(f"bench.interleave must be auto|always|never, got '{b.interleave}'")
+
+
 def bench_task(cfg) -> None:
     from omegaconf import OmegaConf
 
     obj = OmegaConf.to_container(cfg, resolve=True)
     b = BenchConfig(**obj.pop("bench"))
+    _check_bench(b)
     rc = to_run_config(obj)
     import os
 

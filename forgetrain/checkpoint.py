@@ -7,7 +7,9 @@ Layout under ``<out_dir>/checkpoints``::
 
 A save writes ``.tmp_step_000100`` first, and only when every rank has finished is it renamed into place and
 ``latest`` rewritten (both atomic renames). A crash mid-save leaves the previous checkpoint and ``latest``
-intact; stale ``.tmp_*`` directories are removed at the next save.
+intact; stale ``.tmp_*`` directories and pointer temp files are removed at the next save. When ``latest`` is
+missing, unreadable or names an incomplete directory, :func:`latest` falls back to the highest-numbered
+complete ``step_*`` directory.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) ->
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".tmp_step_*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.glob(".latest*.tmp"):
+            stale.unlink(missing_ok=True)
     _barrier()
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
@@ -51,19 +55,30 @@ def save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) ->
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        if (root / "latest").is_dir():  # a damaged pointer cannot be replaced atomically by a file
+            shutil.rmtree(root / "latest")
         atomic_write_bytes(root / "latest", (final.name + "\n").encode())
     _barrier()
     return final
 
 
+def _complete(d: Path) -> bool:
+    return d.is_dir() and (d / "harness.json").is_file() and (d / ".metadata").is_file()
+
+
 def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory, or None when there is none."""
+    """The checkpoint ``latest`` names if it is complete; else the highest-numbered complete ``step_*``
+    directory (a damaged or missing pointer costs nothing); None when there is no complete checkpoint."""
     root = Path(ckpt_root)
     ptr = root / "latest"
-    if not ptr.exists():
-        return None
-    d = root / ptr.read_text().strip()
-    return d if (d / "harness.json").exists() and (d / ".metadata").exists() else None
+    try:
+        name = ptr.read_text(encoding="utf-8").strip()
+        if name and "/" not in name and _complete(root / name):
+            return root / name
+    except (OSError, UnicodeDecodeError):
+        pass
+    steps = sorted((d for d in root.glob("step_*") if _complete(d)), key=lambda d: d.name)
+    return steps[-1] if steps else None
 
 
 def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
@@ -71,21 +86,39 @@ def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
 
     Raises CheckpointError when the directory is incomplete or does not match the template.
     """
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     d = Path(ckpt_dir)
     try:
         harness = json.loads((d / "harness.json").read_text())
+        if not isinstance(harness, dict) or not isinstance(harness.get("step"), int):
+            raise ValueError("harness.json has no integer 'step'")
         dcp.load(template, checkpoint_id=str(d))
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load checkpoint {d}: {first}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every failure becomes one line
+        raise CheckpointError(f"cannot load checkpoint {d} (does it match this model and layout?): "
+                              f"{_first_line(e)}") from e
     return template, harness
 
 
-def prune(ckpt_root: str | os.PathLike, keep: int = 2) -> None:
-    """Keep the newest ``keep`` complete checkpoints (rank 0 only)."""
+def _first_line(e: BaseException) -> str:
+    """The most telling line of a (possibly DCP-wrapped) exception, truncated."""
+    text = str(e).strip()
+    for line in text.splitlines():  # DCP wraps per-rank failures; the wrapped error's last line says most
+        line = line.strip()
+        if line and ("Error" in line or "mismatch" in line.lower() or "Missing" in line):
+            text = line
+    first = text.splitlines()[0].strip() if text else type(e).__name__
+    return f"{type(e).__name__}: {first}"[:400]
+
+
+def prune(ckpt_root: str | os.PathLike, keep: int = 2, up_to: int | None = None) -> None:
+    """Keep the newest ``keep`` checkpoints at or below step ``up_to`` (rank 0 only); directories of later
+    steps (another run's, in a reused directory) are never the reason this run's checkpoints are deleted."""
     if _rank() != 0:
         return
     dirs = sorted(Path(ckpt_root).glob("step_*"))
+    if up_to is not None:
+        dirs = [d for d in dirs if d.name[5:].isdigit() and int(d.name[5:]) <= up_to]
     for d in dirs[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
 

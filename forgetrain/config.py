@@ -64,6 +64,7 @@ class TrainConfig:
     log_interval: int = 1  # steps between progress-bar metric refreshes
     save_interval: int = 100  # steps between checkpoints; 0 saves only at the end
     resume: bool = False  # continue from the last checkpoint in ``out_dir``
+    overwrite: bool = False  # a fresh run may replace a previous run's checkpoints and trace in ``out_dir``
     stop_after: Optional[int] = None  # stop (after checkpointing) at this step; used to test resume
     out_dir: Optional[str] = None  # defaults to Hydra's run directory
     sample_tokens: int = 200  # tokens generated for the end-of-run sample; 0 disables
@@ -263,6 +264,20 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
                           f"(train.lr_decay_steps, default train.steps; Megatron requires warmup < decay)")
     if t.clip_grad < 0 or t.weight_decay < 0:
         raise ConfigError("train.clip_grad and train.weight_decay must be >= 0")
+    if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or not t.adam_eps > 0:
+        raise ConfigError(f"need 0 <= train.adam_beta1, train.adam_beta2 < 1 and train.adam_eps > 0, got "
+                          f"{t.adam_beta1}, {t.adam_beta2}, {t.adam_eps}")
+    if t.log_interval <= 0:
+        raise ConfigError(f"train.log_interval must be positive, got {t.log_interval}")
+    for name in ("eval_interval", "save_interval", "sample_tokens"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name} must be >= 0 (0 switches it off), got {getattr(t, name)}")
+    if t.eval_interval and t.eval_iters <= 0:
+        raise ConfigError(f"train.eval_iters must be positive when train.eval_interval > 0, got {t.eval_iters}")
+    if t.threads is not None and t.threads <= 0:
+        raise ConfigError(f"train.threads must be positive or null (torch's default), got {t.threads}")
+    if t.stop_after is not None and not (0 < t.stop_after <= t.steps):
+        raise ConfigError(f"train.stop_after must lie in [1, train.steps={t.steps}] or be null, got {t.stop_after}")
     if d.path is not None:
         import os
 
@@ -299,6 +314,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
                           "parallel.tensor_parallel_size=1")
     if p.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"parallel.backend must be auto|gloo|nccl, got '{p.backend}'")
+    if p.backend == "nccl" and cfg.hardware.device != "cuda":
+        raise ConfigError("parallel.backend=nccl needs hardware.device=cuda; use auto or gloo on CPU")
     if p.pipeline_parallel_size > 1 or p.context_parallel_size > 1:
         raise ConfigError("PP and CP are not supported by the forged engines yet; set them to 1")
     if cfg.hardware.device not in ("cpu", "cuda"):
@@ -316,6 +335,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
             raise ConfigError(f"kernels.{op} must be one of {'|'.join(allowed)}, got '{getattr(k, op)}'")
     if cfg.engine.mode not in ("exact", "fast"):
         raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
+    if cfg.engine.ce_chunk_tokens is not None and cfg.engine.ce_chunk_tokens <= 0:
+        raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
     if cfg.logger.name not in ("none", "wandb"):
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
     return cfg

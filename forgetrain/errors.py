@@ -24,6 +24,12 @@ class CheckpointError(ForgeTrainError):
     """A checkpoint is missing, incomplete or incompatible."""
 
 
+class DivergenceError(ForgeTrainError):
+    """Training produced a non-finite loss (the last checkpoint is intact). Exit code 1."""
+
+    exit_code = 1
+
+
 def one_line_errors(fn):
     """Decorator for entry points: ForgeTrainError -> one line on stderr and ``sys.exit(exit_code)``."""
 

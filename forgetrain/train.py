@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import platform
 import sys
@@ -48,12 +49,38 @@ def config_hash(cfg: RunConfig) -> str:
     import json
 
     t = dataclasses.asdict(cfg.train)
-    for k in ("eval_interval", "log_interval", "save_interval", "resume", "stop_after", "out_dir", "sample_tokens",
-              "sample_prompt", "threads", "eval_iters"):
+    for k in ("eval_interval", "log_interval", "save_interval", "resume", "overwrite", "stop_after", "out_dir",
+              "sample_tokens", "sample_prompt", "threads", "eval_iters"):
         t.pop(k, None)
+    p = dataclasses.asdict(cfg.parallel)
+    for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute
+        p.pop(k, None)
     blob = json.dumps({"model": dataclasses.asdict(cfg.model), "train": t, "data": dataclasses.asdict(cfg.data),
-                       "parallel": dataclasses.asdict(cfg.parallel)}, sort_keys=True, default=str)
+                       "parallel": p}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _claim_out_dir(cfg: RunConfig, out: Path, env: DistEnv) -> None:
+    """A fresh run refuses a directory that holds another run's checkpoints or trace (they would be overwritten,
+    and pruning would delete this run's own checkpoints), unless ``train.overwrite=true`` clears them first.
+    Raises ConfigError."""
+    import shutil
+
+    from forgetrain.errors import ConfigError
+
+    if cfg.train.resume:
+        return
+    ckpts, trace = out / "checkpoints", out / "trace"
+    held = any(ckpts.glob("step_*")) or (trace / "trace.jsonl").exists()
+    if held and not cfg.train.overwrite:
+        raise ConfigError(f"{out} already holds a run (checkpoints or trace); continue it with train.resume=true, "
+                          f"replace it with train.overwrite=true, or choose another train.out_dir")
+    if held:
+        env.barrier()  # every rank has looked before rank 0 deletes
+        if env.rank == 0:
+            shutil.rmtree(ckpts, ignore_errors=True)
+            shutil.rmtree(trace, ignore_errors=True)
+        env.barrier()
 
 
 def versions() -> dict:
@@ -141,6 +168,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     trace_dir, ckpt_root = out / "trace", out / "checkpoints"
+    _claim_out_dir(cfg, out, env)
 
     from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare
 
@@ -152,6 +180,8 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
         from forgetrain.errors import ConfigError
 
         raise ConfigError(f"tokenizer vocabulary {data.vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}")
+    # the end-of-run sample needs the tokenizer: load it now, so a broken one fails before training, not after
+    tokenizer = load_tokenizer(data.tokenizer_path) if cfg.train.sample_tokens and kind == "scenarios" else None
     train_w = TokenWindows(data.train_prefix, cfg.model.seq_length, cfg.train.seed)
     valid_w = TokenWindows(data.valid_prefix, cfg.model.seq_length, cfg.train.seed) if data.valid_prefix else None
 
@@ -185,6 +215,9 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
         state, harness = checkpoint.load(last, checkpoint.to_cpu_tree(engine.state_dict()))
         engine.load_state_dict(state)
         start = int(harness["step"])
+        if start > t.steps:
+            raise CheckpointError(f"the checkpoint {last} is at step {start}, beyond train.steps={t.steps}; "
+                                  f"raise train.steps to continue it")
         if harness.get("config_hash") != config_hash(cfg):
             log.warning("resuming with a config hash %s different from the checkpoint's %s",
                         config_hash(cfg), harness.get("config_hash"))
@@ -248,10 +281,13 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
             rec["val_loss"] = val_loss
         if writer:
             writer.append(rec)
-        if not (res.loss == res.loss):  # NaN
+        if not math.isfinite(res.loss):  # NaN or inf
             if writer:
                 writer.flush()
-            raise FloatingPointError(f"loss is NaN at step {step + 1}")
+            from forgetrain.errors import DivergenceError
+
+            raise DivergenceError(f"loss is {res.loss} at step {step + 1}: training diverged (lower train.lr, "
+                                  f"check train.adam_eps / train.clip_grad); resume from the last checkpoint")
         if bar is not None:
             bar.update(1)
             if (step + 1) % t.log_interval == 0:
@@ -269,7 +305,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
             harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
                        "side": meta["side"]}
             checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
-            checkpoint.prune(ckpt_root)
+            checkpoint.prune(ckpt_root, up_to=step + 1)
         elif writer and (step + 1) % 10 == 0:
             writer.flush()
     if bar is not None:
@@ -282,7 +318,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     final_sd = engine.export_hf_weights() if stop == t.steps and final_params else None
     sample = None
     if stop == t.steps and t.sample_tokens and kind == "scenarios" and (env.rank == 0 or tp_collective):
-        sample = _sample_text(engine, load_tokenizer(data.tokenizer_path), cfg, device)
+        sample = _sample_text(engine, tokenizer, cfg, device)
     if env.rank == 0 and stop == t.steps:
         if final_params:
             writer.write_final_params(final_sd)

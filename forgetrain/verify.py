@@ -66,6 +66,7 @@ def _run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
     c = copy.deepcopy(cfg)
     if "steps" in train_overrides and cfg.train.lr_decay_steps is None:
         train_overrides.setdefault("lr_decay_steps", max(cfg.train.steps, train_overrides["steps"]))
+    train_overrides.setdefault("overwrite", not train_overrides.get("resume", False))  # verify owns `out`
     c.train = dataclasses.replace(c.train, out_dir=str(out), sample_tokens=0, save_interval=0,
                                   **train_overrides)
     c.logger = dataclasses.replace(c.logger, name="none", plots=False)
@@ -130,6 +131,7 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
 
     if tier_name not in TIERS:
         raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(TIERS)}")
+    _check_request(vcfg, tier_name)
     tier_cfg = _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), vcfg.reference, tier_name)
     out.mkdir(parents=True, exist_ok=True)
     if tier_name in ("bitwise", "tolerance"):
@@ -138,6 +140,7 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
         if vcfg.golden and not vcfg.regenerate:
             if not (gdir / "trace" / "trace.jsonl").exists():
                 raise ConfigError(f"no golden at {gdir}; run with verify.regenerate=true first")
+            _check_golden(gdir)
             ref = gdir
         else:
             ref = run_reference(cfg, vcfg, out / "reference", steps)
@@ -174,6 +177,40 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     if _is_rank0():
         eq.write_report(verdicts, out, refs, cand)
     return verdicts
+
+
+def _check_request(vcfg: VerifyConfig, tier_name: str) -> None:
+    """Reject, before any run, requests that cannot produce a verdict. Raises ConfigError."""
+    from forgetrain import registry
+
+    try:
+        ref_cls = registry.load_engine_class("references", vcfg.reference)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an optional reference whose framework is not installed
+        raise ConfigError(f"reference '{vcfg.reference}' cannot be loaded: {type(e).__name__}: {e}") from e
+    if getattr(ref_cls, "bench_only", False):
+        raise ConfigError(f"references/{vcfg.reference} is a speed baseline for bench (no per-token losses or "
+                          f"digests); verify against megatron, deepspeed or torchtitan")
+    if tier_name == "bitwise" and not vcfg.digests:
+        raise ConfigError("tier=bitwise compares per-step digests; drop verify.digests=false")
+    if tier_name in ("bitwise", "tolerance") and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:
+        raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, verify.steps={vcfg.steps})")
+
+
+def _check_golden(gdir: Path) -> None:
+    """A stored golden must be complete and readable. Raises ConfigError naming what is wrong."""
+    import json
+
+    try:
+        json.loads((gdir / "trace" / "meta.json").read_text())
+        for line in (gdir / "trace" / "trace.jsonl").read_text().splitlines():
+            json.loads(line)
+        if not (gdir / "init.safetensors").is_file():
+            raise FileNotFoundError(str(gdir / "init.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the golden at {gdir} is incomplete or corrupt ({type(e).__name__}: {e}); "
+                          f"regenerate it with verify.regenerate=true") from e
 
 
 def _is_rank0() -> bool:
@@ -213,9 +250,12 @@ def _store_golden(ref_out: Path, gdir: Path) -> None:
         if (ref_out / "trace" / f).exists():
             shutil.copy2(ref_out / "trace" / f, tmp / "trace" / f)
     shutil.copy2(ref_out / "init.safetensors", tmp / "init.safetensors")
+    old = gdir.with_name(gdir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
     if gdir.exists():
-        shutil.rmtree(gdir)
+        gdir.rename(old)  # a crash from here on leaves either the old golden (as .old) or the new one complete
     tmp.rename(gdir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_task(cfg) -> None:

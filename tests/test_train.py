@@ -117,6 +117,14 @@ BAD = {
     "global_batch": (["train.global_batch_size=12"], "is not a multiple of"),
     "missing_data": (["data.path=/nonexistent/ds"], "not found"),
     "unknown_key": (["train.foo=1"], "Key 'foo' not in 'TrainConfig'"),
+    "log_interval": (["train.log_interval=0"], "train.log_interval must be positive"),
+    "eval_iters": (["train.eval_iters=0"], "train.eval_iters must be positive"),
+    "threads": (["train.threads=-1"], "train.threads must be positive"),
+    "adam_eps": (["train.adam_eps=0"], "train.adam_eps > 0"),
+    "adam_beta1": (["train.adam_beta1=2"], "train.adam_beta1"),
+    "stop_after": (["train.stop_after=-2"], "train.stop_after must lie in"),
+    "backend": (["parallel.backend=bogus"], "parallel.backend must be auto|gloo|nccl"),
+    "nccl_on_cpu": (["parallel.backend=nccl"], "parallel.backend=nccl needs hardware.device=cuda"),
 }
 
 

@@ -81,6 +81,8 @@ class _Llama(nn.Module):
 class Engine:
     """Benchmark baseline implementing forgetrain.engine.TrainEngine (no module probes, no digests)."""
 
+    bench_only = True  # verify refuses it: no per-token losses to judge
+
     def __init__(self, cfg, device):
         p = cfg.parallel
         if p.data_parallel_size * p.tensor_parallel_size > 1:

@@ -1,0 +1,177 @@
+"""Bad states a user meets after the first run: a reused output directory, damaged checkpoints and pointers, a
+resume past the end, a diverging run, and bad bench / verify requests. Each must end in one line and a non-zero
+exit, and must never cost a good checkpoint."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import FAST, records, run
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = [*FAST, "train.eval_interval=0", "train.sample_tokens=0"]
+
+
+def _last_line(p: subprocess.CompletedProcess) -> str:
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 6-step run with checkpoints at steps 3 and 6 (copied by each test that damages it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    p = run([*SHORT, f"train.out_dir={out}"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_fresh_run_refuses_a_used_out_dir(finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    before = (out / "trace" / "trace.jsonl").read_bytes()
+    p = run([*SHORT, "train.steps=4", f"train.out_dir={out}"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "already holds a run" in _last_line(p) and "train.resume=true" in _last_line(p)
+    assert (out / "trace" / "trace.jsonl").read_bytes() == before
+    assert sorted(d.name for d in (out / "checkpoints").glob("step_*")) == ["step_000003", "step_000006"]
+
+
+def test_overwrite_replaces_the_old_run_and_keeps_its_own_checkpoints(finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    p = run([*SHORT, "train.steps=4", "train.save_interval=1", "train.overwrite=true", f"train.out_dir={out}"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+    assert sorted(d.name for d in (out / "checkpoints").glob("step_*")) == ["step_000003", "step_000004"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "binary", "missing_dir", "deleted", "is_dir"])
+def test_damaged_latest_pointer_falls_back_to_newest_complete_checkpoint(damage, finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    ptr = out / "checkpoints" / "latest"
+    if damage == "garbage":
+        ptr.write_text("not a checkpoint\n")
+    elif damage == "binary":
+        ptr.write_bytes(os.urandom(64) + b"\xff\xfe")
+    elif damage == "missing_dir":
+        ptr.write_text("step_000099\n")
+    elif damage == "deleted":
+        ptr.unlink()
+    else:
+        ptr.unlink()
+        ptr.mkdir()
+    p = run([*SHORT, "train.steps=8", "train.resume=true", f"train.out_dir={out}"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "resumed from" in p.stderr and "step_000006" in p.stderr
+    assert [r["step"] for r in records(out)] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "empty_shard", "bad_harness"])
+def test_corrupt_checkpoint_is_one_line(damage, finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    ck = out / "checkpoints" / "step_000006"
+    if damage == "bad_harness":
+        (ck / "harness.json").write_text("{}")
+    else:
+        shard = sorted(ck.glob("*.distcp"))[0]
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2] if damage == "truncated_shard" else b"")
+    p = run([*SHORT, "train.steps=8", "train.resume=true", f"train.out_dir={out}"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert _last_line(p).startswith("error: cannot load checkpoint"), _last_line(p)
+
+
+def test_resume_with_another_model_shape_is_one_line(finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    p = run([*SHORT, "train.steps=8", "model.num_layers=3", "train.resume=true", f"train.out_dir={out}"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert _last_line(p).startswith("error: cannot load checkpoint") and "match" in _last_line(p)
+
+
+def test_resume_beyond_train_steps_is_one_line(finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    p = run([*SHORT, "train.steps=4", "train.resume=true", f"train.out_dir={out}"])
+    assert p.returncode == 2 and "beyond train.steps=4" in _last_line(p), p.stderr[-1500:]
+
+
+def test_divergence_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    from forgetrain.errors import DivergenceError
+    from forgetrain.train import train
+    from scenarios.llama_tiny_cpu.engine import Engine
+    from tests.test_ladder import _cfg
+
+    class DivergesAtStep3(Engine):
+        def train_step(self, micro_batches):
+            res = super().train_step(micro_batches)
+            if self.completed_steps == 3:
+                res.loss = math.nan
+            return res
+
+    import dataclasses
+
+    c = _cfg()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=6, save_interval=2, sample_tokens=0,
+                                                         eval_interval=0, out_dir=str(tmp_path / "run")))
+    with pytest.raises(DivergenceError, match="loss is nan at step 3"):
+        train(c, progress=False, engine_cls=DivergesAtStep3)
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+def _module(mod: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", mod, *args], cwd=tmp_path, env=env, text=True,
+                          capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["bench.steps=0"], "bench.steps must be >= 1"),
+    (["bench.warmup=-1"], "bench.warmup must be >= 0"),
+    (["bench.interleave=bogus"], "bench.interleave must be auto|always|never"),
+])
+def test_bad_bench_request_is_one_line(args, needle, tmp_path):
+    p = _module("forgetrain.bench", ["model=llama_micro", *args, f"bench.out_dir={tmp_path / 'b'}"], tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert needle in _last_line(p), _last_line(p)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["verify.reference=torch_compile"], "is a speed baseline for bench"),
+    (["verify.digests=false", "tier=bitwise"], "tier=bitwise compares per-step digests"),
+    (["verify.resume_at=4", "verify.steps=4"], "verify.resume_at=4 must lie in"),
+])
+def test_bad_verify_request_is_one_line_before_any_run(args, needle, tmp_path):
+    out = tmp_path / "v"
+    p = _module("forgetrain.verify", ["model=llama_micro", *args, f"verify.out_dir={out}"], tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert needle in _last_line(p), _last_line(p)
+    assert not (out / "reference").exists(), "the request must be refused before the reference runs"
+
+
+def test_corrupt_golden_is_one_line(tmp_path, monkeypatch):
+    from forgetrain.errors import ConfigError
+    from forgetrain.verify import _check_golden
+
+    g = tmp_path / "golden"
+    (g / "trace").mkdir(parents=True)
+    (g / "trace" / "meta.json").write_text("{}")
+    (g / "trace" / "trace.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')  # truncated mid-record
+    (g / "init.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="incomplete or corrupt"):
+        _check_golden(g)
+    (g / "trace" / "trace.jsonl").write_text('{"step": 1}\n')
+    (g / "init.safetensors").unlink()
+    with pytest.raises(ConfigError, match="init.safetensors"):
+        _check_golden(g)
