@@ -14,9 +14,12 @@ complete ``step_*`` directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -36,8 +39,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextlib.contextmanager
+def _deferred_sigint():
+    """Hold Ctrl-C until the block ends (then raise KeyboardInterrupt), so a save is never cut in half by it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) -> Path:
-    """Save ``state`` (tensors / nested dicts) for ``step``; rank 0 also writes ``harness`` (JSON). Atomic."""
+    """Save ``state`` (tensors / nested dicts) for ``step``; rank 0 also writes ``harness`` (JSON). Atomic; a
+    Ctrl-C during the save takes effect when it is complete."""
+    with _deferred_sigint():
+        return _save(ckpt_root, step, state, harness)
+
+
+def _save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) -> Path:
     root = Path(ckpt_root)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"

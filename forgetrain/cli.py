@@ -97,7 +97,8 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
     try:
         precheck_overrides(config_name, argv)
     except ForgeTrainError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # every torchrun rank checks the same config: one says so
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     register_configs()
 
@@ -108,6 +109,9 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
         except ForgeTrainError as e:
             print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
             sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     _main()

@@ -48,7 +48,9 @@ class TrainConfig:
     steps: int = 500  # optimizer steps
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # floor of the cosine decay
-    lr_warmup_steps: int = 50  # linear warmup from 0 to lr (Megatron: lr at step s is lr*s/warmup)
+    # linear warmup from 0 to lr (Megatron: lr at step s is lr*s/warmup); None: 10% of the decay horizon
+    # (lr_decay_steps, else steps), resolved at construction, so short runs need no extra override
+    lr_warmup_steps: Optional[int] = None
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     lr_decay_steps: Optional[int] = None  # defaults to ``steps``
     weight_decay: float = 0.1  # decoupled (AdamW); applied to 2-D weights, not to norm weights
@@ -71,6 +73,10 @@ class TrainConfig:
     sample_prompt: str = "ROMEO."  # prompt for the end-of-run sample
     digests: bool = False  # record per-step param/grad digests in the trace (equivalence evidence)
     threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
+
+    def __post_init__(self):
+        if self.lr_warmup_steps is None and isinstance(self.steps, int):
+            self.lr_warmup_steps = (self.lr_decay_steps or self.steps) // 10
 
 
 @dataclass
@@ -172,7 +178,11 @@ class RunConfig:
 def register_configs() -> None:
     """Register the schemas with Hydra's ConfigStore (each group's YAML extends its schema)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
+    # ${ft.first:a,b}: the first argument that is not null (Hydra's run dir = train.out_dir when one is given)
+    OmegaConf.register_new_resolver("ft.first", lambda *xs: next((x for x in xs if x is not None), None),
+                                    replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="scenario", name="scenario_schema", node=ScenarioConfig)

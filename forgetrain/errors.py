@@ -24,6 +24,12 @@ class CheckpointError(ForgeTrainError):
     """A checkpoint is missing, incomplete or incompatible."""
 
 
+class Interrupted(ForgeTrainError):
+    """Ctrl-C during training: the trace is flushed, the last checkpoint is intact. Exit code 130."""
+
+    exit_code = 130
+
+
 class DivergenceError(ForgeTrainError):
     """Training produced a non-finite loss (the last checkpoint is intact). Exit code 1."""
 

@@ -60,7 +60,9 @@ def measured_cpu_peak_flops(n: int = 2048, reps: int = 6) -> float:
     """Best fp32 matmul FLOP/s over square products of 512, 1024 and ``n`` on this CPU at torch's current thread count, cached on disk.
 
     The cache key holds the CPU model, thread count and torch version, so a different machine re-measures;
-    ``FORGETRAIN_REMEASURE_PEAK=1`` forces a new measurement (e.g. after one taken on a loaded machine).
+    ``FORGETRAIN_REMEASURE_PEAK=1`` forces a new measurement. Other jobs can only lower a measured peak (which
+    would overstate MFU), so a measurement taken while the 1-minute load average exceeds the core count is used
+    for this run but not cached, and a re-measurement keeps the higher of the old and new values.
     """
     key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     path = _cache_dir() / "cpu_peak.json"
@@ -80,14 +82,17 @@ def measured_cpu_peak_flops(n: int = 2048, reps: int = 6) -> float:
             torch.mm(a, b)
             best = min(best, time.perf_counter() - t0)
         peak = max(peak, 2.0 * size**3 / best)
-    cache[key] = peak
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > (os.cpu_count() or 1):
+        return max(peak, float(cache.get(key, 0.0)))  # measured under load: use, do not cache
+    cache[key] = max(peak, float(cache.get(key, 0.0)))
     from forgetrain.trace import atomic_write_json
 
     try:
         atomic_write_json(path, cache)
     except OSError:
         pass
-    return peak
+    return cache[key]
 
 
 def peak_flops(hardware_cfg) -> tuple[float, str]:

@@ -251,63 +251,74 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     probe = _Probe(engine.module_probes()) if (t.digests and start == 0) else None
     first_loss = existing[0]["loss"] if existing else None
     val_loss = None
-    for step in range(start, stop):
-        mbs = [micro_batch(train_w, step, m, dp_rank, t.micro_batch_size, dp, t.global_batch_size) for m in range(ga)]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        res = engine.train_step(mbs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_s = time.perf_counter() - t0
-        tps = tokens_per_step / step_s
-        rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
-               "tokens": (step + 1) * tokens_per_step, "step_s": step_s, "tokens_per_s": tps,
-               "mfu_pct": 100.0 * fpt * tps / (peak * devices)}
-        if t.digests:
-            dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
-            dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
-            dg["params"] = {k: tensor_digest(v) for k, v in engine.export_hf_weights().items()}
-            rec["digests"] = dg
-        if probe is not None:
+    try:
+        for step in range(start, stop):
+            mbs = [micro_batch(train_w, step, m, dp_rank, t.micro_batch_size, dp, t.global_batch_size) for m in range(ga)]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = engine.train_step(mbs)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_s = time.perf_counter() - t0
+            tps = tokens_per_step / step_s
+            rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
+                   "tokens": (step + 1) * tokens_per_step, "step_s": step_s, "tokens_per_s": tps,
+                   "mfu_pct": 100.0 * fpt * tps / (peak * devices)}
+            if t.digests:
+                dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
+                dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
+                dg["params"] = {k: tensor_digest(v) for k, v in engine.export_hf_weights().items()}
+                rec["digests"] = dg
+            if probe is not None:
+                if writer:
+                    writer.write_modules(probe.records)
+                probe.close()
+                probe = None
+            if first_loss is None:
+                first_loss = res.loss
+            if valid_w is not None and t.eval_interval and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
+                val_loss = engine.eval_loss(eval_batches(valid_w, t.eval_iters, t.micro_batch_size))
+                rec["val_loss"] = val_loss
             if writer:
-                writer.write_modules(probe.records)
-            probe.close()
-            probe = None
-        if first_loss is None:
-            first_loss = res.loss
-        if valid_w is not None and t.eval_interval and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
-            val_loss = engine.eval_loss(eval_batches(valid_w, t.eval_iters, t.micro_batch_size))
-            rec["val_loss"] = val_loss
-        if writer:
-            writer.append(rec)
-        if not math.isfinite(res.loss):  # NaN or inf
-            if writer:
-                writer.flush()
-            from forgetrain.errors import DivergenceError
+                writer.append(rec)
+            if not math.isfinite(res.loss):  # NaN or inf
+                if writer:
+                    writer.flush()
+                from forgetrain.errors import DivergenceError
 
-            raise DivergenceError(f"loss is {res.loss} at step {step + 1}: training diverged (lower train.lr, "
-                                  f"check train.adam_eps / train.clip_grad); resume from the last checkpoint")
-        if bar is not None:
-            bar.update(1)
-            if (step + 1) % t.log_interval == 0:
-                post = {"loss": f"{res.loss:.4f}", "gnorm": f"{res.grad_norm:.3f}", "lr": f"{res.lr:.2e}",
-                        "tok/s": f"{tps:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
-                if val_loss is not None:
-                    post["val"] = f"{val_loss:.4f}"
-                bar.set_postfix(post, refresh=False)
-        if wandb_logger:
-            wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
-        save_now = (t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop
-        if save_now:
-            if writer:
+                raise DivergenceError(f"loss is {res.loss} at step {step + 1}: training diverged (lower train.lr, "
+                                      f"check train.adam_eps / train.clip_grad); resume from the last checkpoint")
+            if bar is not None:
+                bar.update(1)
+                if (step + 1) % t.log_interval == 0:
+                    post = {"loss": f"{res.loss:.4f}", "gnorm": f"{res.grad_norm:.3f}", "lr": f"{res.lr:.2e}",
+                            "tok/s": f"{tps:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
+                    if val_loss is not None:
+                        post["val"] = f"{val_loss:.4f}"
+                    bar.set_postfix(post, refresh=False)
+            if wandb_logger:
+                wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
+            save_now = (t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop
+            if save_now:
+                if writer:
+                    writer.flush()
+                harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
+                           "side": meta["side"]}
+                checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
+                checkpoint.prune(ckpt_root, up_to=step + 1)
+            elif writer and (step + 1) % 10 == 0:
                 writer.flush()
-            harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
-                       "side": meta["side"]}
-            checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
-            checkpoint.prune(ckpt_root, up_to=step + 1)
-        elif writer and (step + 1) % 10 == 0:
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        if writer:
             writer.flush()
+        from forgetrain.errors import Interrupted
+
+        last = checkpoint.latest(ckpt_root)
+        raise Interrupted(f"interrupted during step {step + 1}; last checkpoint: {last.name if last else 'none'} "
+                          f"(continue with train.resume=true train.out_dir={out})") from None
     if bar is not None:
         bar.close()
     if writer:
@@ -351,7 +362,7 @@ def _print_summary(s: dict) -> None:
     if s.get("val_loss") is not None:
         lines.append(f"validation loss: {s['val_loss']:.4f}")
     if "median_tokens_per_s" in s:
-        lines.append(f"throughput: {s['median_tokens_per_s']:,.0f} tokens/s, MFU {s['median_mfu_pct']:.1f}% "
+        lines.append(f"throughput (median step): {s['median_tokens_per_s']:,.0f} tokens/s, MFU {s['median_mfu_pct']:.1f}% "
                      f"({s['peak']})")
     if s.get("sample"):
         lines += ["sample:", "-" * 60, s["sample"], "-" * 60]

@@ -175,3 +175,39 @@ def test_corrupt_golden_is_one_line(tmp_path, monkeypatch):
     (g / "init.safetensors").unlink()
     with pytest.raises(ConfigError, match="init.safetensors"):
         _check_golden(g)
+
+
+def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "forgetrain", *SHORT, "train.steps=400", "train.save_interval=2",
+                             f"train.out_dir={out}"], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    last = [x for x in err.strip().splitlines() if x.strip()][-1]
+    assert last.startswith("error: interrupted during step") and "train.resume=true" in last, last
+    assert "Traceback" not in err
+    named = last.split("last checkpoint: ")[1].split()[0]
+    assert (out / "checkpoints" / named / ".metadata").exists()
+    assert len(records(out)) >= int(named.split("_")[1])  # the trace was flushed up to the checkpoint at least
+
+
+def test_short_run_needs_no_warmup_override_and_hydra_writes_into_out_dir(tmp_path):
+    out = tmp_path / "run"
+    p = run(["model=llama_micro", "train.steps=20", "train.eval_interval=0", "train.sample_tokens=0",
+             f"train.out_dir={out}"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (out / ".hydra" / "config.yaml").exists() and not (tmp_path / "outputs").exists()
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(out / ".hydra" / "config.yaml").train.lr_warmup_steps is None  # resolved at run time
+    lrs = [r["lr"] for r in records(out)]
+    assert lrs[0] == 0.0 and lrs[2] == lrs[1] * 2 > 0  # warmup = 20 // 10 = 2 steps (Megatron: lr(s) = lr*s/warmup)
