@@ -24,6 +24,7 @@ labels ``[:, 1:]``. Every label position counts in the loss (no padding, no loss
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterable, Protocol, runtime_checkable
 
@@ -102,3 +103,22 @@ def hf_param_names(num_layers: int) -> list[str]:
                   p + "mlp.down_proj.weight"]
     names += ["model.norm.weight", "lm_head.weight"]
     return names
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model.eval()`` for the block, then the previous train/eval mode again (also after an exception)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def check_tokens(tokens: torch.Tensor, seq_length: int) -> None:
+    """Validate ``logits()`` input: int tokens ``[b, s]`` with ``s <= seq_length``. Raises ValueError."""
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [b, s], got {tuple(tokens.shape)}")
+    if tokens.shape[1] > seq_length:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={seq_length}")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetrain.config import RunConfig, grad_accum_steps
-from forgetrain.engine import StepResult, forward_names, hf_param_names
+from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names, hf_param_names
 from forgetrain.schedule import lr_for_step
 
 
@@ -341,9 +341,7 @@ class Engine:
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
         """Mean over micro-batches of HF's token-mean loss (no grad, eval mode)."""
         t, m = self.cfg.train, self.cfg.model
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             losses = []
             for i, mb in enumerate(micro_batches):
                 if tuple(mb.shape) != (t.micro_batch_size, m.seq_length + 1):
@@ -351,23 +349,14 @@ class Engine:
                 mb = mb.to(self.device)
                 logits = self.model(input_ids=mb[:, :-1].contiguous()).logits
                 losses.append(self._loss(logits, mb[:, 1:].contiguous())[0].float())
-        finally:
-            self.model.train(was_training)
         return float(torch.stack(losses).mean().item())
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length)."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [b, s], got {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.cfg.model.seq_length:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={self.cfg.model.seq_length}")
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length). Raises ValueError."""
+        check_tokens(tokens, self.cfg.model.seq_length)
+        with eval_mode(self.model):
             out = self.model(input_ids=tokens.to(self.device, dtype=torch.long)).logits
-        finally:
-            self.model.train(was_training)
         return out.float()
 
     def module_probes(self) -> dict[str, torch.nn.Module]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetrain.config import RunConfig
-from forgetrain.engine import StepResult, forward_names
+from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names
 from references.megatron import convert
 
 
@@ -403,35 +403,24 @@ class Engine:
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
         """Mean over micro-batches of each micro-batch's per-token mean loss (no grad, model in eval mode)."""
         self._check_batch(micro_batches)
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             losses = []
             for mb in micro_batches:
                 mb = mb.to(self.device)
                 out = self.model(mb[:, :-1].contiguous(), self._position_ids, self._mask,
                                  labels=mb[:, 1:].contiguous())
                 losses.append(out.float().mean())
-        finally:
-            self.model.train(was_training)
         return float(torch.stack(losses).mean().item())
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length)."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [b, s], got {tuple(tokens.shape)}")
+        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length). Raises ValueError."""
+        check_tokens(tokens, self.cfg.model.seq_length)
         s = tokens.shape[1]
-        if s > self.cfg.model.seq_length:
-            raise ValueError(f"sequence length {s} exceeds model.seq_length={self.cfg.model.seq_length}")
         tokens = tokens.to(self.device, dtype=torch.long)
         pos = torch.arange(s, dtype=torch.long, device=self.device).unsqueeze(0)
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             out = self.model(tokens, pos, causal_mask(s, self.device))  # [b, s, V/tp]
-        finally:
-            self.model.train(was_training)
         if self.tp_size > 1:
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetrain.config import RunConfig, grad_accum_steps
-from forgetrain.engine import StepResult, forward_names, hf_param_names
+from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names, hf_param_names
 from forgetrain.schedule import lr_for_step
 
 # Names of the RMSNorm weights in torchtitan's llama3 FQNs (attention_norm, ffn_norm, final norm): the
@@ -407,32 +407,21 @@ class Engine:
         from torchtitan.components.loss import IGNORE_INDEX
 
         self._check_batch(micro_batches)
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with eval_mode(self.model):
             vals = []
             for mb in micro_batches:
                 mb = mb.to(self.device)
                 tokens, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
                 n = (labels != IGNORE_INDEX).sum()
                 vals.append(self.loss_fn(self.model(tokens), labels, n)[0].float())
-        finally:
-            self.model.train(was_training)
         return float(torch.stack(vals).mean().item())
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length)."""
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [b, s], got {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.cfg.model.seq_length:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.seq_length={self.cfg.model.seq_length}")
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        """fp32 logits ``[b, s, vocab]`` for int64 tokens ``[b, s]`` (s <= seq_length). Raises ValueError."""
+        check_tokens(tokens, self.cfg.model.seq_length)
+        with eval_mode(self.model):
             out = self.model(tokens.to(self.device, dtype=torch.long))
-        finally:
-            self.model.train(was_training)
         return out.float()
 
     def module_probes(self) -> dict[str, torch.nn.Module]:
