@@ -136,14 +136,12 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:400]
 
 
-def prune(ckpt_root: str | os.PathLike, keep: int = 2, up_to: int | None = None) -> None:
-    """Keep the newest ``keep`` checkpoints at or below step ``up_to`` (rank 0 only); directories of later
-    steps (another run's, in a reused directory) are never the reason this run's checkpoints are deleted."""
+def prune(ckpt_root: str | os.PathLike, keep: int = 2) -> None:
+    """Keep the newest ``keep`` complete checkpoints (rank 0 only). The directory holds one run's lineage only:
+    ``train._claim_out_dir`` refuses (or clears, with ``train.overwrite``) another run's checkpoints."""
     if _rank() != 0:
         return
     dirs = sorted(Path(ckpt_root).glob("step_*"))
-    if up_to is not None:
-        dirs = [d for d in dirs if d.name[5:].isdigit() and int(d.name[5:]) <= up_to]
     for d in dirs[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
 

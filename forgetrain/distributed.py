@@ -117,3 +117,44 @@ def ensure_process_group(parallel_cfg, device: torch.device) -> None:
     store = dist.FileStore(os.path.join(_WORLD1_STORE.name, "store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s))
+
+
+def set_deterministic(on: bool, device: str) -> None:
+    """Megatron's deterministic mode, process-wide and for both sides: deterministic algorithms, no TF32.
+
+    Needed on the CPU too: without it ``weight[ids]``'s backward (``index_put_`` with accumulate) adds repeated
+    tokens' gradients in a thread-dependent order, so even the reference does not reproduce itself at the
+    llama_tiny shape (measured 2026-11-29: two identical backward passes differed).
+    """
+    if on and device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(bool(on), warn_only=False)
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def use_device(device: torch.device, deterministic: bool) -> torch.device:
+    """Claim ``device`` for an engine built on another framework, before it allocates anything.
+
+    CUDA: make it this process's current GPU (its index, else ``LOCAL_RANK`` under torchrun), switch TF32 off and,
+    with ``deterministic``, Megatron-LM's deterministic mode (README "Model configuration": cuBLAS workspace,
+    deterministic algorithms, ``NCCL_ALGO=Ring``). CPU: nothing to do. Returns the device with its index resolved.
+    Raises ValueError for another device type.
+    """
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"unsupported device {device}")
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    elif "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+    if deterministic:
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        set_deterministic(True, "cuda")
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device

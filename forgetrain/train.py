@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import platform
 import sys
 import time
@@ -20,27 +19,12 @@ import torch
 
 from forgetrain import checkpoint, registry
 from forgetrain.config import RunConfig, grad_accum_steps, validate
-from forgetrain.distributed import DistEnv, init_distributed
+from forgetrain.distributed import DistEnv, init_distributed, set_deterministic
 from forgetrain.errors import CheckpointError
 from forgetrain.metrics import WandbLogger, flops_per_token, param_counts, peak_flops, write_plots
 from forgetrain.trace import TraceWriter, read_trace, tensor_digest
 
 log = logging.getLogger("forgetrain")
-
-
-def set_deterministic(on: bool, device: str) -> None:
-    """Megatron's deterministic mode, process-wide and for both sides: deterministic algorithms, no TF32.
-
-    Needed on the CPU too: without it ``weight[ids]``'s backward (``index_put_`` with accumulate) adds repeated
-    tokens' gradients in a thread-dependent order, so even the reference does not reproduce itself at the
-    llama_tiny shape (measured 2026-11-29: two identical backward passes differed).
-    """
-    if on and device == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(bool(on), warn_only=False)
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
 
 
 def config_hash(cfg: RunConfig) -> str:
@@ -306,7 +290,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
                 harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
                            "side": meta["side"]}
                 checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
-                checkpoint.prune(ckpt_root, up_to=step + 1)
+                checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:
                 writer.flush()
     except KeyboardInterrupt:

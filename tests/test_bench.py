@@ -58,3 +58,28 @@ def test_bench_rejects_unknown_reference(tmp_path):
                        timeout=300)
     assert p.returncode != 0
     assert "Traceback" not in p.stderr and "nope" in p.stderr.strip().splitlines()[-1], p.stderr[-1500:]
+
+
+def _reduce_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from forgetrain.bench import reduce_over_ranks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    times = {"forged": [1.0 + rank, 5.0 - rank], "_mem_gib": {"forged": 2.0 * rank}, "_forged_blocks": [rank, 1.0]}
+    red = reduce_over_ranks(times)
+    if rank == 0:
+        Path(out).write_text(json.dumps(red))
+    dist.destroy_process_group()
+
+
+def test_step_time_is_the_slowest_ranks(tmp_path):
+    """Each step's time is the MAX over ranks (the step ends with the last rank), memory the largest rank's."""
+    import torch.multiprocessing as mp
+
+    from tests.test_parallel import _free_port
+
+    out = tmp_path / "red.json"
+    mp.spawn(_reduce_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    red = json.loads(out.read_text())
+    assert red["forged"] == [2.0, 5.0] and red["_mem_gib"] == {"forged": 2.0} and red["_forged_blocks"] == [1.0, 1.0]

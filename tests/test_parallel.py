@@ -287,14 +287,19 @@ def test_zero1_layout_and_norm_order_are_megatrons():
 
 
 # ------------------------------------------------------------------ DP=2 vs DP=1, same global batch
-@pytest.fixture(scope="module")
-def dp1(dp2, tmp_path_factory):
+def _single_process(tmp_path_factory, name: str, init: Path, base: list[str]) -> Path:
+    """The forged engine in this process (``parallel=single``) from ``init``: the 1-process side of a gate."""
     from tests.parallel_worker import run_job
 
-    out = tmp_path_factory.mktemp("dp1") / "cand"
-    run_job({"side": "candidate", "out": str(out), "init": str(dp2["ref"] / "init.safetensors"),
-             "overrides": ["parallel=single", *BASE], "digests": False})
+    out = tmp_path_factory.mktemp(name) / "cand"
+    run_job({"side": "candidate", "out": str(out), "init": str(init), "overrides": ["parallel=single", *base],
+             "digests": False})
     return out
+
+
+@pytest.fixture(scope="module")
+def dp1(dp2, tmp_path_factory):
+    return _single_process(tmp_path_factory, "dp1", dp2["ref"] / "init.safetensors", BASE)
 
 
 def test_dp2_matches_dp1_within_tolerance(dp2, dp1):
@@ -367,12 +372,7 @@ def test_tp2_bitwise_rejects_mutant(dp2, mutant, kind):
 
 @pytest.fixture(scope="module")
 def tp1(dp2, tmp_path_factory):
-    from tests.parallel_worker import run_job
-
-    out = tmp_path_factory.mktemp("tp1") / "cand"
-    run_job({"side": "candidate", "out": str(out), "init": str(dp2["ref_tp2"] / "init.safetensors"),
-             "overrides": ["parallel=single", *TP_BASE], "digests": False})
-    return out
+    return _single_process(tmp_path_factory, "tp1", dp2["ref_tp2"] / "init.safetensors", TP_BASE)
 
 
 def test_tp2_matches_tp1_within_tolerance_and_resumes_at_tp1(dp2, tp1, tmp_path):

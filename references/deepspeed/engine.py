@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetrain.config import RunConfig, grad_accum_steps
+from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names, hf_param_names
 from forgetrain.schedule import lr_for_step
 
@@ -140,18 +141,7 @@ class Engine:
         if self.zero_stage not in (1, 2):
             raise ValueError(f"the DeepSpeed reference runs ZeRO stage 1 or 2, got parallel.zero_stage={p.zero_stage}")
         self.bf16 = t.precision == "bf16"
-        if self.device.type == "cuda":
-            if self.device.index is not None:
-                torch.cuda.set_device(self.device)
-            elif "LOCAL_RANK" in os.environ:
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            if t.deterministic:
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-                torch.use_deterministic_algorithms(True)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        elif self.device.type != "cpu":
-            raise ValueError(f"unsupported device {self.device}")
+        use_device(self.device, t.deterministic)
 
         _init_process_group(cfg, self.device)
         deepspeed = _import_deepspeed(self.device)

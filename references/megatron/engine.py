@@ -13,13 +13,13 @@ losses ``[b, s]``; activations inside are sequence-first ``[s, b, h]``.
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from forgetrain.config import RunConfig
+from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names
 from references.megatron import convert
 
@@ -78,24 +78,11 @@ class Engine:
                              f"{t.lr_warmup_steps} >= {decay_steps}")
         self.bf16 = t.precision == "bf16"
 
+        use_device(self.device, t.deterministic)  # Megatron-LM's --deterministic-mode requirements on CUDA
         if self.device.type == "cpu":
             from references.megatron import shim
 
             shim.install()
-        elif self.device.type == "cuda":
-            if self.device.index is not None:
-                torch.cuda.set_device(self.device)
-            elif "LOCAL_RANK" in os.environ:  # torchrun: one GPU per local rank
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            if t.deterministic:
-                # Megatron-LM's --deterministic-mode requirements (README.md, "Model configuration").
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-                os.environ.setdefault("NCCL_ALGO", "Ring")
-                torch.use_deterministic_algorithms(True)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        else:
-            raise ValueError(f"unsupported device {self.device}")
 
         _init_process_group(cfg, self.device)
         _init_model_parallel(cfg)

@@ -36,13 +36,13 @@ activations are batch-first ``[b, s, h]``.
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from forgetrain.config import RunConfig, grad_accum_steps
+from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names, hf_param_names
 from forgetrain.schedule import lr_for_step
 
@@ -125,19 +125,7 @@ class Engine:
         if p.tensor_parallel_size != 1 or p.pipeline_parallel_size != 1 or p.context_parallel_size != 1:
             raise ValueError("the torchtitan reference runs data parallelism (FSDP2) only: TP = PP = CP = 1 "
                              "(torchtitan's TP/CP/PP wrappers are not wired in yet)")
-        if self.device.type == "cuda":
-            if self.device.index is not None:
-                torch.cuda.set_device(self.device)
-            elif "LOCAL_RANK" in os.environ:
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            if t.deterministic:
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-                torch.use_deterministic_algorithms(True)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        elif self.device.type != "cpu":
-            raise ValueError(f"unsupported device {self.device}")
+        self.device = use_device(self.device, t.deterministic)
 
         _init_process_group(cfg, self.device)
         self.world = dist.get_world_size()

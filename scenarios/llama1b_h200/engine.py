@@ -156,11 +156,8 @@ class Engine(_ExactCPUEngine):
         order = self._norm_order()
         if self.tcfg.digests:  # under ZeRO-1 the whole local buffer, as the reference's main_grad snapshot
             self._last_grads = {k: self.main_grad[k].clone() for k in order}
-        if self.zero1:
-            grad_norm = self._zero1_update()
-        else:
-            grad_norm = self._replicated_update(order)
-        lr = self._lr
+        lr = lr_for_step(self.tcfg, self.completed_steps)
+        grad_norm = self._zero1_update(lr) if self.zero1 else self._replicated_update(order, lr)
         self._sync_model_from_main()
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
@@ -175,10 +172,6 @@ class Engine(_ExactCPUEngine):
     def zero1(self) -> bool:
         return self.ddp is not None and self.ddp.zero1
 
-    @property
-    def _lr(self) -> float:
-        return lr_for_step(self.tcfg, self.completed_steps)
-
     def _clip_coeff(self, grad_norm: float) -> float | None:
         """Megatron's clip_grad_by_total_norm_fp32 coefficient, or None when no clipping applies."""
         if self.tcfg.clip_grad > 0:
@@ -187,7 +180,7 @@ class Engine(_ExactCPUEngine):
                 return coeff
         return None
 
-    def _zero1_update(self) -> float:
+    def _zero1_update(self, lr: float) -> float:
         """ZeRO-1 after the reduce-scatter: the norm of the shards, clip and AdamW on this rank's pieces of the fp32
         main weights (``ddp.param_data``), then the all-gather of the updated main weights."""
         d = self.ddp
@@ -202,11 +195,11 @@ class Engine(_ExactCPUEngine):
             sel = [(pc, g) for pc, g in pieces if (pc.group == 0) == decay]
             groups.append((decay, [d.param_data[pc.buf_start:pc.buf_end] for pc, _ in sel], [g for _, g in sel],
                            [self.adam_state[pc.name] for pc, _ in sel]))
-        self._adamw_groups(groups, self._lr)
+        self._adamw_groups(groups, lr)
         d.gather_params()
         return grad_norm
 
-    def _replicated_update(self, order: list[str]) -> float:
+    def _replicated_update(self, order: list[str], lr: float) -> float:
         grads = [self.main_grad[k] for k in order]
         if self.fast:
             grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
@@ -226,7 +219,7 @@ class Engine(_ExactCPUEngine):
             ks = [k for k in self.main if (self.main[k].dim() > 1) == decay]
             groups.append((decay, [self.main[k] for k in ks], [self.main_grad[k] for k in ks],
                            [self.adam_state[k] for k in ks]))
-        self._adamw_groups(groups, self._lr)
+        self._adamw_groups(groups, lr)
         return grad_norm
 
     @torch.no_grad()
