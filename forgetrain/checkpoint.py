@@ -57,9 +57,25 @@ def _deferred_sigint():
 
 def save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) -> Path:
     """Save ``state`` (tensors / nested dicts) for ``step``; rank 0 also writes ``harness`` (JSON). Atomic; a
-    Ctrl-C during the save takes effect when it is complete."""
+    Ctrl-C during the save takes effect when it is complete.
+
+    Raises CheckpointError (one line) when the save fails -- a full disk, an unwritable directory, any error DCP
+    wraps in its ``CheckpointException`` (a BaseException). Then this step's temp directory is removed, and the
+    previous checkpoint and the ``latest`` pointer are left as they were, so the run resumes from them.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    root = Path(ckpt_root)
     with _deferred_sigint():
-        return _save(ckpt_root, step, state, harness)
+        try:
+            return _save(root, step, state, harness)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every failure becomes one line
+            shutil.rmtree(root / f".tmp_step_{step:06d}", ignore_errors=True)
+            for stale in root.glob(".latest*.tmp") if root.is_dir() else ():
+                stale.unlink(missing_ok=True)
+            prev = latest(root)
+            raise CheckpointError(f"cannot save the step-{step} checkpoint under {root}: {_first_line(e)}; "
+                                  f"the last good checkpoint is {prev.name if prev else 'none'}") from None
 
 
 def _save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) -> Path:
@@ -127,7 +143,10 @@ def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
 
 def _first_line(e: BaseException) -> str:
     """The most telling line of a (possibly DCP-wrapped) exception, truncated."""
-    text = str(e).strip()
+    try:
+        text = str(e).strip()
+    except Exception:  # noqa: BLE001 - a wrapper whose formatting itself fails
+        text = ""
     for line in text.splitlines():  # DCP wraps per-rank failures; the wrapped error's last line says most
         line = line.strip()
         if line and ("Error" in line or "mismatch" in line.lower() or "Missing" in line):

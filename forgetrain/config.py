@@ -65,6 +65,7 @@ class TrainConfig:
     eval_iters: int = 4  # validation micro-batches per evaluation
     log_interval: int = 1  # steps between progress-bar metric refreshes
     save_interval: int = 100  # steps between checkpoints; 0 saves only at the end
+    save: bool = True  # write checkpoints at all (verify's runs set false: no 9 GB checkpoint per judged run)
     resume: bool = False  # continue from the last checkpoint in ``out_dir``
     overwrite: bool = False  # a fresh run may replace a previous run's checkpoints and trace in ``out_dir``
     stop_after: Optional[int] = None  # stop (after checkpointing) at this step; used to test resume
@@ -288,6 +289,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"train.threads must be positive or null (torch's default), got {t.threads}")
     if t.stop_after is not None and not (0 < t.stop_after <= t.steps):
         raise ConfigError(f"train.stop_after must lie in [1, train.steps={t.steps}] or be null, got {t.stop_after}")
+    if t.stop_after is not None and not t.save:
+        raise ConfigError("train.stop_after checkpoints the run to be resumed: it needs train.save=true")
     if d.path is not None:
         import os
 

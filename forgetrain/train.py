@@ -33,7 +33,7 @@ def config_hash(cfg: RunConfig) -> str:
     import json
 
     t = dataclasses.asdict(cfg.train)
-    for k in ("eval_interval", "log_interval", "save_interval", "resume", "overwrite", "stop_after", "out_dir",
+    for k in ("eval_interval", "log_interval", "save_interval", "save", "resume", "overwrite", "stop_after", "out_dir",
               "sample_tokens", "sample_prompt", "threads", "eval_iters"):
         t.pop(k, None)
     p = dataclasses.asdict(cfg.parallel)
@@ -283,7 +283,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
                     bar.set_postfix(post, refresh=False)
             if wandb_logger:
                 wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
-            save_now = (t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop
+            save_now = t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop)
             if save_now:
                 if writer:
                     writer.flush()

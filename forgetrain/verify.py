@@ -6,7 +6,12 @@ with the requested tier. Prints a verdict table, writes ``verdict.json`` and ``l
 pass, 1 on a failure (2 on bad input).
 
 * ``verify.golden=true`` compares against the stored golden reference trace (``references/goldens/<platform>/``)
-  instead of re-running the reference; ``verify.regenerate=true`` re-runs the reference and stores it.
+  instead of re-running the reference; ``verify.regenerate=true`` re-runs the reference and stores it;
+  ``verify.make_golden=true`` only runs the reference and stores it (no candidate, no verdict). For
+  ``loss_curve`` / ``surpass`` the golden is one trace per reference seed (``seed_<N>/``), keyed by the run's
+  config hash without the seed, so seeds can be added to it run by run (``verify.seeds=[...]``).
+* verify keeps no checkpoints: its runs save none, except the resume gate's, which is deleted afterwards;
+  loss-curve runs write no final parameters either (the tier reads only the loss curve).
 * ``verify.resume_at=K`` stops the forged run at step K, resumes it from its checkpoint and judges the resumed
   trace (the "resume" gate).
 * ``loss_curve`` runs the reference with every seed in ``verify.seeds`` (>= 3) to calibrate the band;
@@ -40,6 +45,7 @@ class VerifyConfig:
     digests: bool = True  # per-step param/grad digests and step-1 module probes (bitwise evidence)
     golden: bool = False  # judge against the stored golden reference trace
     regenerate: bool = False  # re-run the reference and store it as the golden
+    make_golden: bool = False  # only run the reference and store it as the golden; no candidate, no verdict
     seeds: list = field(default_factory=lambda: [1234, 1235, 1236])  # loss-curve calibration seeds (>= 3)
     resume_at: Optional[int] = None  # stop the candidate at this step and resume it
     timing_steps: int = 10  # surpass: timed steps per engine (interleaved A/B) after warmup
@@ -67,6 +73,7 @@ def _run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
     if "steps" in train_overrides and cfg.train.lr_decay_steps is None:
         train_overrides.setdefault("lr_decay_steps", max(cfg.train.steps, train_overrides["steps"]))
     train_overrides.setdefault("overwrite", not train_overrides.get("resume", False))  # verify owns `out`
+    train_overrides.setdefault("save", False)  # no checkpoints (only the resume gate asks for one)
     c.train = dataclasses.replace(c.train, out_dir=str(out), sample_tokens=0, save_interval=0,
                                   **train_overrides)
     c.logger = dataclasses.replace(c.logger, name="none", plots=False)
@@ -79,7 +86,22 @@ def golden_dir(cfg: RunConfig, tier_name: str) -> Path:
     return GOLDEN_ROOT / cfg.hardware.name / f"{cfg.scenario.name}-{tier_name}-{config_hash(cfg)}"
 
 
-def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, seed: int | None = None) -> Path:
+CURVE_TIERS = ("loss_curve", "surpass")
+
+
+def curve_golden_dir(cfg: RunConfig, vcfg: VerifyConfig) -> Path:
+    """The loss-curve golden of this run: ``<platform>/<scenario>-loss_curve-<hash>/seed_<N>/trace/``, the hash
+    taken over the reference run's own config (``curve_steps`` steps, the LR schedule pinned) with the seed set
+    to 0, so every seed of one configuration lands in one directory. Shared by loss_curve and surpass."""
+    from forgetrain.train import config_hash
+
+    run = _run_cfg(cfg, Path("."), steps=vcfg.curve_steps, digests=False, seed=0)
+    ref = "" if vcfg.reference == "megatron" else f"{vcfg.reference}-"
+    return GOLDEN_ROOT / cfg.hardware.name / f"{cfg.scenario.name}-{ref}loss_curve-{config_hash(run)}"
+
+
+def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, seed: int | None = None,
+                  final_params: bool = True) -> Path:
     """Run the reference for ``steps``; returns its output dir (trace/ and init.safetensors inside)."""
     from forgetrain.train import train
 
@@ -87,7 +109,7 @@ def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, see
     if seed is not None:
         over["seed"] = seed
     return train(_run_cfg(cfg, out, **over), kind="references", engine_name=vcfg.reference, progress=False,
-                 export_init=True)
+                 export_init=final_params, final_params=final_params)
 
 
 def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path) -> Path:
@@ -101,8 +123,9 @@ def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, step
 
 
 def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path | None,
-                  engine_cls=None, seed: int | None = None) -> Path:
-    """Run the forged engine from ``init`` (HF safetensors) for ``steps``, optionally stopping and resuming."""
+                  engine_cls=None, seed: int | None = None, final_params: bool = True) -> Path:
+    """Run the forged engine from ``init`` (HF safetensors) for ``steps``, optionally stopping and resuming.
+    Leaves no checkpoint behind: the resume gate's is deleted once the resumed run has finished."""
     from safetensors.torch import load_file
 
     from forgetrain.train import train
@@ -114,10 +137,16 @@ def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, ini
     if vcfg.resume_at:
         if not 0 < vcfg.resume_at < steps:
             raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, {steps})")
-        train(_run_cfg(cfg, out, stop_after=vcfg.resume_at, **over), init_hf=init_hf, progress=False,
-              engine_cls=engine_cls)
-        return train(_run_cfg(cfg, out, resume=True, **over), progress=False, engine_cls=engine_cls)
-    return train(_run_cfg(cfg, out, **over), init_hf=init_hf, progress=False, engine_cls=engine_cls)
+        try:
+            train(_run_cfg(cfg, out, stop_after=vcfg.resume_at, save=True, **over), init_hf=init_hf,
+                  progress=False, engine_cls=engine_cls)
+            return train(_run_cfg(cfg, out, resume=True, **over), progress=False, engine_cls=engine_cls,
+                         final_params=final_params)
+        finally:
+            if _is_rank0():
+                shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return train(_run_cfg(cfg, out, **over), init_hf=init_hf, progress=False, engine_cls=engine_cls,
+                 final_params=final_params)
 
 
 def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine_cls=None,
@@ -137,6 +166,9 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     if tier_name in ("bitwise", "tolerance"):
         steps = vcfg.steps
         gdir = golden_dir(cfg, tier_name)
+        if vcfg.make_golden:
+            _store_golden(run_reference(cfg, vcfg, out / "reference", steps), gdir)
+            return []
         if vcfg.golden and not vcfg.regenerate:
             if not (gdir / "trace" / "trace.jsonl").exists():
                 raise ConfigError(f"no golden at {gdir}; run with verify.regenerate=true first")
@@ -162,12 +194,24 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
         return verdicts
     # loss_curve / surpass
     steps = vcfg.curve_steps
-    if len(vcfg.seeds) < 3:
+    if len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden may be made seed by seed
         raise ConfigError(f"loss_curve needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
     lc_cfg = dict(eq.load_tier("loss_curve")) if tier_name == "surpass" else tier_cfg
     vq = dataclasses.replace(vcfg, digests=False)
-    refs = [run_reference(cfg, vq, out / f"reference_seed{s}", steps, seed=s) / "trace" for s in vcfg.seeds]
-    cand = run_candidate(cfg, vq, out / "candidate", steps, None, engine_cls, seed=vcfg.seeds[0]) / "trace"
+    gdir = curve_golden_dir(cfg, vcfg)
+    if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
+        refs = _curve_golden_traces(gdir, vcfg)
+    else:
+        refs = []
+        for s in vcfg.seeds:
+            ref = run_reference(cfg, vq, out / f"reference_seed{s}", steps, seed=s, final_params=False)
+            if (vcfg.regenerate or vcfg.make_golden) and _is_rank0():
+                _store_golden(ref, gdir / f"seed_{s}", with_init=False)
+            refs.append(ref / "trace")
+        if vcfg.make_golden:
+            return []
+    cand = run_candidate(cfg, vq, out / "candidate", steps, None, engine_cls, seed=vcfg.seeds[0],
+                         final_params=False) / "trace"
     verdicts = [eq.loss_curve(refs, cand, lc_cfg)]
     if tier_name == "surpass":
         from forgetrain.bench import interleaved_step_times
@@ -213,6 +257,33 @@ def _check_golden(gdir: Path) -> None:
                           f"regenerate it with verify.regenerate=true") from e
 
 
+def _curve_golden_traces(gdir: Path, vcfg: VerifyConfig) -> list[Path]:
+    """The stored reference trace of every seed in ``verify.seeds``. Raises ConfigError naming the missing or
+    damaged seeds and the command that makes them."""
+    import json
+
+    missing = [s for s in vcfg.seeds if not (gdir / f"seed_{s}" / "trace" / "trace.jsonl").is_file()]
+    if missing:
+        have = sorted(int(d.name[5:]) for d in gdir.glob("seed_*") if d.name[5:].isdigit()) if gdir.is_dir() else []
+        raise ConfigError(f"no loss-curve golden for seeds {missing} at {gdir} (stored: {have or 'none'}); make "
+                          f"them with verify.make_golden=true verify.seeds={missing}, or choose stored seeds")
+    traces = []
+    for s in vcfg.seeds:
+        t = gdir / f"seed_{s}" / "trace"
+        try:
+            meta = json.loads((t / "meta.json").read_text())
+            recs = [json.loads(line) for line in (t / "trace.jsonl").read_text().splitlines() if line.strip()]
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"the golden {t} is incomplete or corrupt ({type(e).__name__}: {e}); remake it "
+                              f"with verify.make_golden=true verify.seeds=[{s}]") from e
+        if meta.get("side") != f"references/{vcfg.reference}" or len(recs) != vcfg.curve_steps:
+            raise ConfigError(f"the golden {t} is not a {vcfg.curve_steps}-step run of references/{vcfg.reference} "
+                              f"(side {meta.get('side')}, {len(recs)} steps); remake it with "
+                              f"verify.make_golden=true verify.seeds=[{s}]")
+        traces.append(t)
+    return traces
+
+
 def _is_rank0() -> bool:
     """True outside torchrun and on global rank 0 (under torchrun only rank 0 writes the report)."""
     import torch.distributed as dist
@@ -242,14 +313,16 @@ def _with_reference_overrides(tier_cfg: dict, reference: str, tier_name: str) ->
     return merged
 
 
-def _store_golden(ref_out: Path, gdir: Path) -> None:
+def _store_golden(ref_out: Path, gdir: Path, with_init: bool = True) -> None:
+    """Copy a reference run's trace (and its init weights) to ``gdir``, replacing it atomically."""
     tmp = gdir.with_name(gdir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "trace").mkdir(parents=True)
     for f in ("meta.json", "trace.jsonl", "modules.json", "final.safetensors"):
         if (ref_out / "trace" / f).exists():
             shutil.copy2(ref_out / "trace" / f, tmp / "trace" / f)
-    shutil.copy2(ref_out / "init.safetensors", tmp / "init.safetensors")
+    if with_init:
+        shutil.copy2(ref_out / "init.safetensors", tmp / "init.safetensors")
     old = gdir.with_name(gdir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if gdir.exists():
@@ -275,6 +348,11 @@ def verify_task(cfg) -> None:
     env = init_distributed(rc.parallel)  # under torchrun: every rank runs both sides; rank 0 reports
     out = Path(env.broadcast_object(str(Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc))))
     verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
+    if vcfg.make_golden:
+        if env.rank == 0:
+            where = curve_golden_dir(rc, vcfg) if td["name"] in CURVE_TIERS else golden_dir(rc, td["name"])
+            print(f"golden stored: {where}", file=sys.stderr)
+        sys.exit(0)
     if env.rank == 0:
         eq.print_verdict_table(verdicts)
         print(f"report: {out / 'verdict.json'}  plot: {out / 'loss_curves.png'}", file=sys.stderr)

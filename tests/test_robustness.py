@@ -211,3 +211,52 @@ def test_short_run_needs_no_warmup_override_and_hydra_writes_into_out_dir(tmp_pa
     assert OmegaConf.load(out / ".hydra" / "config.yaml").train.lr_warmup_steps is None  # resolved at run time
     lrs = [r["lr"] for r in records(out)]
     assert lrs[0] == 0.0 and lrs[2] == lrs[1] * 2 > 0  # warmup = 20 // 10 = 2 steps (Megatron: lr(s) = lr*s/warmup)
+
+
+@pytest.mark.parametrize("failure", ["enospc", "dcp_wrapped"])
+def test_failed_save_is_one_line_and_keeps_the_last_good_checkpoint(failure, tmp_path, monkeypatch):
+    """A save that fails half-way (a full disk; DCP's CheckpointException, a BaseException) ends the run with one
+    CheckpointError line, removes its temp dir, and leaves the previous checkpoint and `latest` loadable."""
+    import dataclasses
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from forgetrain import checkpoint
+    from forgetrain.errors import CheckpointError
+    from forgetrain.train import train
+    from scenarios.llama_tiny_cpu.engine import Engine
+    from tests.test_ladder import _cfg
+
+    real_save, calls = checkpoint.dcp.save, []
+
+    def flaky_save(state, checkpoint_id):
+        calls.append(checkpoint_id)
+        if len(calls) == 2:  # the step-4 save: write part of it, then fail
+            real_save({"part": next(iter(state["main"].values())) if "main" in state else 0},
+                      checkpoint_id=checkpoint_id)
+            err = OSError(errno.ENOSPC, "No space left on device")
+            if failure == "enospc":
+                raise err
+            from torch.distributed.checkpoint.utils import _wrap_exception
+
+            raise CheckpointException("save", {0: _wrap_exception(err)})
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", flaky_save)
+    c = _cfg()
+    out = tmp_path / "run"
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=6, save_interval=2, sample_tokens=0,
+                                                         eval_interval=0, out_dir=str(out)))
+    with pytest.raises(CheckpointError) as e:
+        train(c, progress=False, engine_cls=Engine)
+    msg = str(e.value)
+    assert "\n" not in msg and "step-4" in msg and "step_000002" in msg, msg
+    assert "No space left" in msg or "CheckpointException" in msg, msg
+    ck = out / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002"]
+    last = checkpoint.latest(ck)
+    assert last.name == "step_000002"
+    eng = Engine(c, "cpu")
+    _, harness = checkpoint.load(last, checkpoint.to_cpu_tree(eng.state_dict()))
+    assert harness["step"] == 2

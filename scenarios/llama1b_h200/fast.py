@@ -193,12 +193,9 @@ class FastLlama(nn.Module):
             self._blocks = [torch.compile(b) for b in self.layers]
 
     def reset_parameters(self, generator):
-        with torch.no_grad():
-            for _, p in self.named_parameters():
-                if p.dim() == 1:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, self.cfg.init_method_std, generator=generator)
+        from scenarios.llama_tiny_cpu.model import megatron_init
+
+        megatron_init(self, self.cfg, generator)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         s = ids.shape[1]

@@ -333,6 +333,35 @@ class OutputLayer(nn.Module):
         return linear(copy_to_tp(x, self.tp), self.weight)
 
 
+OUTPUT_PROJECTIONS = ("attn.proj", "mlp.fc2")  # Megatron: self_attention.linear_proj, mlp.linear_fc2
+
+
+def init_std(name: str, cfg) -> float:
+    """The standard deviation Megatron-core 0.16.1 draws parameter ``name`` (this model's names) from.
+
+    ``TransformerConfig.__post_init__`` sets ``init_method = N(0, init_method_std)`` for every matrix (QKV, fc1,
+    the embedding, the LM head) and ``output_layer_init_method = scaled_init_method_normal(init_method_std,
+    num_layers)`` = N(0, init_method_std / sqrt(2 * num_layers)) for the two matrices that write into the residual
+    stream: attention's output projection and the MLP's fc2 (``megatron/core/transformer/attention.py`` and
+    ``mlp.py`` pass ``config.output_layer_init_method``). At 8 layers that is 0.005 against 0.02. The bitwise and
+    tolerance tiers never see this (the candidate loads the reference's weights there); the loss-curve tier does.
+    """
+    if name.endswith(OUTPUT_PROJECTIONS):
+        return cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    return cfg.init_method_std
+
+
+@torch.no_grad()
+def megatron_init(model: nn.Module, cfg, generator: torch.Generator) -> None:
+    """Initialise ``model`` in place as Megatron-core does: 1-D (RMSNorm) weights to ones, every matrix from
+    N(0, :func:`init_std`), drawn in parameter order from ``generator``. Shared by the exact and fast models."""
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, init_std(name, cfg), generator=generator)
+
+
 class Llama(nn.Module):
     """``forward(ids [b, s], labels [b, s] | None)`` -> per-token loss ``[b, s]`` fp32, or logits ``[s, b, V/tp]``."""
 
@@ -347,12 +376,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator) -> None:
-        """N(0, init_method_std) for every matrix, ones for norms (Megatron's init_method_normal)."""
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, self.cfg.init_method_std, generator=generator)
+        """Megatron-core's initial distribution, drawn from ``generator``: see :func:`megatron_init`."""
+        megatron_init(self, self.cfg, generator)
 
     def _rope_and_mask(self, s: int, device):
         key = (s, str(device))
