@@ -4,7 +4,7 @@ Architecture: token embedding -> N x [RMSNorm -> GQA self-attention with rotate-
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> untied LM head. No biases, no dropout.
 
 Every numerical detail that decides bit-equality with megatron-core 0.16.1 (local spec) is deliberate; each is
-marked ``[align N]`` with the item number of ``../shared/notes/megatron-alignment.md`` and listed in this
+marked ``[align N]`` and listed, with the item number, in this
 scenario's README. In short: activations are sequence-first ``[s, b, h]``; Q/K/V is one matmul whose rows are
 grouped per KV group (q heads, then k, then v); gate/up is one matmul ``[gate; up]``; linears run
 ``x @ W^T`` forward and ``dW = dY^T @ X`` backward on the 2-D views; attention is written out (baddbmm with the
