@@ -6,8 +6,9 @@ steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (hos
 is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
 speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
 
-MFU uses ``forgetrain.metrics`` (6 * (N - N_emb) + 12 * L * h * s FLOPs per token, PaLM appendix B) against
-``hardware.peak_tflops`` (or a measured matmul peak on CPU) times the number of devices.
+MFU comes from ``forgetrain.metrics`` under both of its labelled conventions (``mfu_pct``: PaLM's, attention
+without causal halving; ``mfu_causal_pct``: Megatron-LM's causal one) against ``hardware.peak_tflops`` (or a
+measured matmul peak on CPU) times the number of devices.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank builds the same sides with the run's parallel layout and feeds
 its data-parallel share of each global batch (Megatron's sampler order); a step's time is the slowest rank's
@@ -226,7 +227,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
             times["_mem_gib"][name] = max(times["_mem_gib"].get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
         med = statistics.median(out)  # this rank's (rank 0 prints; the table reduces over ranks)
         _say(f"[block] {name}: build {t_build:.1f}s, first step {t_first:.1f}s, median step {med:.4f}s, "
-             f"{tokens / med:,.0f} tokens/s, MFU {mfu_pct(cfg.model, tokens / med, peak, _world()[1]):.1f}%, "
+             f"{tokens / med:,.0f} tokens/s, MFU (PaLM) {mfu_pct(cfg.model, tokens / med, peak, _world()[1]):.1f}%, "
              f"peak mem {times['_mem_gib'].get(name, 0.0):.1f} GiB", flush=True)
         del eng
         gc.collect()
@@ -249,15 +250,33 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
     return times
 
 
-def interleaved_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
-    """(reference step seconds, forged step seconds), timed interleaved in this process."""
-    sides = build_sides(cfg, [reference], engine_cls)
-    t = reduce_over_ranks(time_sides(cfg, sides, steps, warmup))
+def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, interleave: str = "auto",
+                engine_cls=None) -> tuple[str, dict]:
+    """(mode, side -> step seconds) for the forged engine and ``against``: interleaved A/B when every side fits
+    in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
+    (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun)."""
+    fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * (
+        torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda" else 8e9)
+    if interleave == "always" or (interleave == "auto" and fits):
+        mode, times = "interleaved", time_sides(cfg, build_sides(cfg, against, engine_cls), steps, warmup)
+    else:
+        mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls)
+    return mode, reduce_over_ranks(times)
+
+
+def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
+    """(reference step seconds, forged step seconds) for the surpass tier, timed in this process: interleaved
+    when both engines fit in memory, else in A-B-A blocks (the forged engine's two blocks both count)."""
+    _, t = timed_sides(cfg, [reference], steps, warmup, engine_cls=engine_cls)
+    if reference not in t:
+        from forgetrain.errors import ConfigError
+
+        raise ConfigError(f"references/{reference} ran out of memory at this shape: no speed comparison possible")
     return t[reference], t["forged"]
 
 
 def summarize(cfg: RunConfig, times: dict) -> list[dict]:
-    from forgetrain.metrics import mfu_pct, peak_flops
+    from forgetrain.metrics import mfu_metrics, peak_flops
 
     peak, label = peak_flops(cfg.hardware)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
@@ -272,20 +291,22 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
         med = statistics.median(ts)
         rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "tokens_per_s": tokens / med,
-                     "mfu_pct": mfu_pct(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
+                     **mfu_metrics(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
                      "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1]})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'side':<12} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} {'mem_gib':>8} "
-          f"{'forged x':>9}")
+    from forgetrain.metrics import mfu_formula_label
+
+    print(f"{'side':<12} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} {'mfu_causal_pct':>15} "
+          f"{'mem_gib':>8} {'forged x':>9}")
     for r in rows:
         mem = f"{r['mem_gib']:.1f}" if r["mem_gib"] is not None else "-"
         print(f"{r['side']:<12} {r['step_s']:>9.4f} {r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} "
-              f"{r['mfu_pct']:>8.2f} {mem:>8} {r['forged_speedup']:>9.2f}")
-    print(f"MFU = 6*(N-N_emb)+12*L*h*s FLOPs/token x tokens/s / (peak x {rows[0]['devices']} devices) "
-          f"({rows[0]['peak']})")
+              f"{r['mfu_pct']:>8.2f} {r['mfu_causal_pct']:>15.2f} {mem:>8} {r['forged_speedup']:>9.2f}")
+    print(f"MFU = FLOPs/token x tokens/s / (peak x {rows[0]['devices']} devices); "
+          f"{mfu_formula_label(rows[0]['peak'])}")
 
 
 def _check_bench(b: BenchConfig) -> None:
@@ -323,14 +344,7 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
     from forgetrain.trace import atomic_write_json
     from forgetrain.train import _out_dir, versions
 
-    against = list(b.against)
-    fits = _bytes_per_engine(rc) * (1 + len(against)) < 0.4 * (
-        torch.cuda.get_device_properties(0).total_memory if rc.hardware.device == "cuda" else 8e9)
-    if b.interleave == "always" or (b.interleave == "auto" and fits):
-        mode, times = "interleaved", time_sides(rc, build_sides(rc, against), b.steps, b.warmup)
-    else:
-        mode, times = "sequential A-B-A", sequential_times(rc, against, b.steps, b.warmup)
-    times = reduce_over_ranks(times)
+    mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave)
     if rank != 0:
         return
     rows = summarize(rc, times)

@@ -1,13 +1,21 @@
 """FLOPs, MFU, throughput and the metric sinks (console progress is in ``forgetrain.train``; W&B here).
 
-MFU formula (stated once, never changed silently; PaLM, Chowdhery et al. 2022, appendix B; Megatron-LM):
+MFU formulas (stated once, here; never changed silently). Two conventions, both reported and each labelled, so a
+figure compares with any published anchor (the ratio between two systems is the same under either):
 
-    model FLOPs per token = 6 * (N_params - N_embedding) + 12 * L * h * s
+    palm             model FLOPs per token = 6 * (N_params - N_embedding) + 12 * L * h * s
+                     (PaLM, Chowdhery et al. 2022, appendix B; torchtitan): attention without causal halving
+    megatron_causal  model FLOPs per token = 6 * (N_params - N_embedding) +  6 * L * h * s
+                     (Megatron-LM's newer accounting: the causal mask halves the attention score/value FLOPs)
 
 where ``N_params - N_embedding`` counts every weight except the input embedding (the LM head is counted), L is
-layers, h hidden size, s sequence length; the attention term is full (no causal halving). Then
+layers, h hidden size, s sequence length. Then
 
     MFU = FLOPs per token * tokens per step / step_s / (peak FLOP/s per device * devices).
+
+Pinned by a hand count in ``tests/test_metrics.py`` (h 64, L 2, 4/2 heads, FFN 176, V 1000, s 128: 1,135,488
+FLOPs per token under palm, 1,037,184 under megatron_causal). ``mfu_pct`` in traces and bench rows is the palm
+convention; ``mfu_causal_pct`` beside it is megatron_causal.
 
 Peaks come from ``conf/hardware`` (H100/H200 SXM dense BF16: 989.4 TFLOP/s). On CPU there is no datasheet peak:
 the peak is a measured fp32 matmul rate on this machine, cached in the ForgeTrain cache, and the MFU is labelled
@@ -39,17 +47,38 @@ def param_counts(model_cfg) -> dict[str, int]:
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
 
 
-def flops_per_token(model_cfg) -> float:
-    """Model FLOPs per trained token (fwd + bwd): 6 * non-embedding params + 12 * L * h * s (see module doc)."""
+# convention -> (attention FLOPs per token per layer per h*s, label)
+MFU_CONVENTIONS = {
+    "palm": (12.0, "6*(N-N_emb)+12*L*h*s per token (PaLM, no causal halving)"),
+    "megatron_causal": (6.0, "6*(N-N_emb)+6*L*h*s per token (Megatron-LM, causal halving)"),
+}
+MFU_KEYS = {"palm": "mfu_pct", "megatron_causal": "mfu_causal_pct"}  # metric key of each convention
+
+
+def flops_per_token(model_cfg, convention: str = "palm") -> float:
+    """Model FLOPs per trained token (fwd + bwd) under ``convention`` (module doc). Raises KeyError for an
+    unknown convention."""
     m = model_cfg
-    return 6.0 * param_counts(m)["non_embedding"] + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+    attn = MFU_CONVENTIONS[convention][0]
+    return 6.0 * param_counts(m)["non_embedding"] + attn * m.num_layers * m.hidden_size * m.seq_length
 
 
-def mfu_pct(model_cfg, tokens_per_s: float, peak_flops: float, devices: int = 1) -> float:
+def mfu_pct(model_cfg, tokens_per_s: float, peak_flops: float, devices: int = 1, convention: str = "palm") -> float:
     """MFU in percent for ``tokens_per_s`` (all devices) against ``peak_flops`` FLOP/s per device."""
     if peak_flops <= 0:
         return float("nan")
-    return 100.0 * flops_per_token(model_cfg) * tokens_per_s / (peak_flops * devices)
+    return 100.0 * flops_per_token(model_cfg, convention) * tokens_per_s / (peak_flops * devices)
+
+
+def mfu_metrics(model_cfg, tokens_per_s: float, peak_flops: float, devices: int = 1) -> dict[str, float]:
+    """``{"mfu_pct": palm, "mfu_causal_pct": megatron_causal}`` in percent: the two labelled conventions."""
+    return {key: mfu_pct(model_cfg, tokens_per_s, peak_flops, devices, conv) for conv, key in MFU_KEYS.items()}
+
+
+def mfu_formula_label(peak_label: str) -> str:
+    """One line naming both conventions and the peak, for traces, tables and summaries."""
+    return (f"mfu_pct: {MFU_CONVENTIONS['palm'][1]}; mfu_causal_pct: {MFU_CONVENTIONS['megatron_causal'][1]}; "
+            f"{peak_label}")
 
 
 def _cache_dir() -> Path:

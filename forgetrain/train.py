@@ -21,7 +21,7 @@ from forgetrain import checkpoint, registry
 from forgetrain.config import RunConfig, grad_accum_steps, validate
 from forgetrain.distributed import DistEnv, init_distributed, set_deterministic
 from forgetrain.errors import CheckpointError
-from forgetrain.metrics import WandbLogger, flops_per_token, param_counts, peak_flops, write_plots
+from forgetrain.metrics import WandbLogger, mfu_formula_label, mfu_metrics, param_counts, peak_flops, write_plots
 from forgetrain.trace import TraceWriter, read_trace, tensor_digest
 
 log = logging.getLogger("forgetrain")
@@ -188,7 +188,6 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     dp, dp_rank = p.data_parallel_size, env.rank // p.tensor_parallel_size
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     peak, peak_label = peak_flops(cfg.hardware)
-    fpt = flops_per_token(cfg.model)
     devices = env.world_size
 
     start, existing = 0, []
@@ -214,7 +213,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
 
     meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
             "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,
-            "world_size": env.world_size, "mfu_formula": "6*(N-N_emb)+12*L*h*s per token; " + peak_label}
+            "world_size": env.world_size, "mfu_formula": mfu_formula_label(peak_label)}
     writer = TraceWriter(trace_dir, meta, existing) if env.rank == 0 else None
     wandb_logger = None
     if env.rank == 0 and cfg.logger.name == "wandb":
@@ -248,7 +247,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
             tps = tokens_per_step / step_s
             rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
                    "tokens": (step + 1) * tokens_per_step, "step_s": step_s, "tokens_per_s": tps,
-                   "mfu_pct": 100.0 * fpt * tps / (peak * devices)}
+                   **mfu_metrics(cfg.model, tps, peak, devices)}
             if t.digests:
                 dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
                 dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
@@ -324,7 +323,8 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
         if recs:
             steady = recs[min(len(recs) - 1, 2):]
             summary["median_tokens_per_s"] = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
-            summary["median_mfu_pct"] = sorted(r["mfu_pct"] for r in steady)[len(steady) // 2]
+            for key in ("mfu_pct", "mfu_causal_pct"):
+                summary[f"median_{key}"] = sorted(r[key] for r in steady)[len(steady) // 2]
         if sample is not None:
             summary["sample"] = sample
         from forgetrain.trace import atomic_write_json
@@ -346,7 +346,8 @@ def _print_summary(s: dict) -> None:
     if s.get("val_loss") is not None:
         lines.append(f"validation loss: {s['val_loss']:.4f}")
     if "median_tokens_per_s" in s:
-        lines.append(f"throughput (median step): {s['median_tokens_per_s']:,.0f} tokens/s, MFU {s['median_mfu_pct']:.1f}% "
+        lines.append(f"throughput (median step): {s['median_tokens_per_s']:,.0f} tokens/s, MFU {s['median_mfu_pct']:.1f}% PaLM "
+                     f"/ {s['median_mfu_causal_pct']:.1f}% Megatron causal "
                      f"({s['peak']})")
     if s.get("sample"):
         lines += ["sample:", "-" * 60, s["sample"], "-" * 60]

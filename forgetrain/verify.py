@@ -15,7 +15,8 @@ pass, 1 on a failure (2 on bad input).
 * ``verify.resume_at=K`` stops the forged run at step K, resumes it from its checkpoint and judges the resumed
   trace (the "resume" gate).
 * ``loss_curve`` runs the reference with every seed in ``verify.seeds`` (>= 3) to calibrate the band;
-  ``surpass`` adds an interleaved A/B timing of the two engines in this process (``forgetrain.bench``).
+  ``surpass`` adds a side-by-side timing of the two engines in this process (``forgetrain.bench``: interleaved
+  A/B when both fit in device memory, else A-B-A blocks).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class VerifyConfig:
     make_golden: bool = False  # only run the reference and store it as the golden; no candidate, no verdict
     seeds: list = field(default_factory=lambda: [1234, 1235, 1236])  # loss-curve calibration seeds (>= 3)
     resume_at: Optional[int] = None  # stop the candidate at this step and resume it
-    timing_steps: int = 10  # surpass: timed steps per engine (interleaved A/B) after warmup
+    timing_steps: int = 10  # surpass: timed steps per engine (per block under A-B-A) after warmup
     out_dir: Optional[str] = None  # defaults to Hydra's run directory
 
 
@@ -73,7 +74,8 @@ def _run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
     if "steps" in train_overrides and cfg.train.lr_decay_steps is None:
         train_overrides.setdefault("lr_decay_steps", max(cfg.train.steps, train_overrides["steps"]))
     train_overrides.setdefault("overwrite", not train_overrides.get("resume", False))  # verify owns `out`
-    train_overrides.setdefault("save", False)  # no checkpoints (only the resume gate asks for one)
+    # no checkpoints, except for a run that stops to be resumed, or resumes (the resume gate)
+    train_overrides.setdefault("save", bool(train_overrides.get("stop_after") or train_overrides.get("resume")))
     c.train = dataclasses.replace(c.train, out_dir=str(out), sample_tokens=0, save_interval=0,
                                   **train_overrides)
     c.logger = dataclasses.replace(c.logger, name="none", plots=False)
@@ -138,7 +140,7 @@ def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, ini
         if not 0 < vcfg.resume_at < steps:
             raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, {steps})")
         try:
-            train(_run_cfg(cfg, out, stop_after=vcfg.resume_at, save=True, **over), init_hf=init_hf,
+            train(_run_cfg(cfg, out, stop_after=vcfg.resume_at, **over), init_hf=init_hf,
                   progress=False, engine_cls=engine_cls)
             return train(_run_cfg(cfg, out, resume=True, **over), progress=False, engine_cls=engine_cls,
                          final_params=final_params)
@@ -214,9 +216,9 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
                          final_params=False) / "trace"
     verdicts = [eq.loss_curve(refs, cand, lc_cfg)]
     if tier_name == "surpass":
-        from forgetrain.bench import interleaved_step_times
+        from forgetrain.bench import side_by_side_step_times
 
-        t_ref, t_cand = interleaved_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
+        t_ref, t_cand = side_by_side_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
         verdicts.append(eq.surpass(verdicts[0], t_ref, t_cand, tier_cfg))
     if _is_rank0():
         eq.write_report(verdicts, out, refs, cand)

@@ -62,10 +62,10 @@ def test_loss_curve_rejects_a_tenth_of_the_lr(refs, tmp_path):
 
 
 def test_surpass_needs_loss_curve_and_a_real_speedup(refs, tmp_path):
-    from forgetrain.bench import interleaved_step_times
+    from forgetrain.bench import side_by_side_step_times
 
     lc = eq.loss_curve(refs, _cand(tmp_path), eq.load_tier("loss_curve"))
-    t_ref, t_cand = interleaved_step_times(_curve_cfg(), "megatron", 10)
+    t_ref, t_cand = side_by_side_step_times(_curve_cfg(), "megatron", 10)
     cfg = eq.load_tier("surpass")
     assert lc.passed, lc.summary
     eq.surpass(lc, t_ref, t_cand, cfg)  # the real A/B verdict runs on measured timings (either outcome is honest)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Device call 8 (one H200), the per-optimisation ladder of the surpass issue, each switch at its declared tier:
+#   PART=a: two more Megatron-core seeds (1237, 1238) for the loss-curve golden of call 7 (5 seeds: k = 9.4 instead
+#           of 44.7), then the fast default re-judged at surpass against 5 seeds, then the fast base (batch-first +
+#           SDPA only: no compile, torch CE, torch AdamW) at loss_curve.                          (~450 s)
+#   PART=b: the fast base + torch.compile at loss_curve; then the tolerance golden (h1024 x 4 layers, 8 steps,
+#           bf16, deterministic) and every tolerance-declared switch on top of the fast base.     (~350 s)
+# Brings back every verdict JSON as one tar (the 8-file limit) and the golden seeds.
+#   run: PART=a bash scripts/device/call8_ladder_h200.sh ; then PART=b ...   (carry [".whl"])
+set -u
+. scripts/device/setup.sh
+ts() { date +%H:%M:%S; }
+T0=$(date +%s)
+left() { echo $(( ${BUDGET:-585} - ($(date +%s) - T0) )); }
+filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
+L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
+model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
+train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
+verify.curve_steps=300 parallel.timeout_s=60"
+T="scenario=llama1b_h200 model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 \
+model.num_query_groups=4 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 \
+train.micro_batch_size=2 train.global_batch_size=4 train.lr_warmup_steps=2 train.precision=bf16 \
+train.deterministic=true hardware=h200 tier=tolerance verify.steps=8 parallel.timeout_s=60"
+BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch"
+FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
+mkdir -p /tmp/verdicts
+judge() {  # name, then the verify overrides
+  local name=$1; shift
+  echo "$(ts) == $name ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify "$@" verify.out_dir=/tmp/v_$name 2>&1 | filt 6
+  cp /tmp/v_$name/verdict.json /tmp/verdicts/call8_${name}_verdict.json 2>/dev/null
+  cp /tmp/v_$name/loss_curves.png /tmp/verdicts/call8_${name}_loss_curves.png 2>/dev/null
+  rm -rf /tmp/v_$name
+  tar cf $OUT/call8_${PART:-a}_verdicts.tar -C /tmp verdicts references_goldens 2>/dev/null
+}
+if [ "${PART:-a}" = a ]; then
+  for s in 1237 1238; do
+    echo "$(ts) == golden seed $s ($(left) s left)"
+    timeout $(left) python3 -m forgetrain.verify $L tier=loss_curve verify.make_golden=true "verify.seeds=[$s]" \
+      verify.out_dir=/tmp/g$s 2>&1 | filt 2
+    rm -rf /tmp/g$s
+    mkdir -p /tmp/references_goldens && cp -r references/goldens/h200 /tmp/references_goldens/
+  done
+  judge fast_default_5seeds $L tier=surpass verify.golden=true $FIVE
+  judge fast_base $L tier=loss_curve verify.golden=true $FIVE $BASE
+else
+  judge fast_compile $L tier=loss_curve verify.golden=true $FIVE $BASE engine.compile=true
+  echo "$(ts) == tolerance golden ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $T verify.make_golden=true verify.out_dir=/tmp/gt 2>&1 | filt 2
+  mkdir -p /tmp/references_goldens && cp -r references/goldens/h200 /tmp/references_goldens/
+  judge tol_fast_base $T verify.golden=true $BASE
+  judge tol_chunked_ce $T verify.golden=true $BASE kernels.cross_entropy=chunked
+  judge tol_fused_adamw $T verify.golden=true $BASE kernels.adamw=fused
+  for k in rmsnorm swiglu rope cross_entropy adamw; do
+    judge tol_triton_$k $T verify.golden=true $BASE kernels.$k=triton
+  done
+fi
+df -h /tmp | tail -1
+echo "$(ts) done"

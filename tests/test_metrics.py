@@ -1,0 +1,49 @@
+"""FLOPs and MFU pinned by a hand count, under both labelled conventions (forgetrain.metrics owns the formulas)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from forgetrain import metrics
+
+# h 64, L 2, 4 query heads / 2 KV groups (d 16), FFN 176, V 1000, s 128.
+M = SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                    vocab_size=1000, seq_length=128)
+
+
+def hand_count(attention_per_layer_hs: int) -> int:
+    """Counted by hand: per layer QKV 64 x (64 + 2*2*16) = 8192, proj 64 x 64 = 4096, SwiGLU 3 x 64 x 176 = 33792,
+    two norms 128 -> 46208; two layers 92416; final norm 64; LM head 1000 x 64 = 64000 (the input embedding is not
+    counted): N - N_emb = 156480, x 6 = 938880. Attention: attention_per_layer_hs x L x h x s."""
+    return 938_880 + attention_per_layer_hs * 2 * 64 * 128
+
+
+def test_flops_per_token_palm_hand_count():
+    assert hand_count(12) == 1_135_488
+    assert metrics.flops_per_token(M) == 1_135_488
+    assert metrics.flops_per_token(M, "palm") == 1_135_488
+
+
+def test_flops_per_token_megatron_causal_hand_count():
+    assert metrics.flops_per_token(M, "megatron_causal") == hand_count(6) == 1_037_184
+
+
+def test_param_counts_hand_count():
+    n = metrics.param_counts(M)
+    assert n["embedding"] == 64_000 and n["non_embedding"] == 156_480 and n["total"] == 220_480
+
+
+def test_mfu_both_conventions():
+    tps, peak = 1.0e6, 1.0e12  # 1M tokens/s on one 1 TFLOP/s device
+    m = metrics.mfu_metrics(M, tps, peak, devices=2)
+    assert m["mfu_pct"] == pytest.approx(100 * 1_135_488 * tps / (2 * peak))
+    assert m["mfu_causal_pct"] == pytest.approx(100 * 1_037_184 * tps / (2 * peak))
+    label = metrics.mfu_formula_label("peak X")
+    assert "12*L*h*s" in label and "6*L*h*s" in label and "peak X" in label
+
+
+def test_counting_the_embedding_is_caught(monkeypatch):
+    """The mutant the hand count exists for: 6 x N with the input embedding counted."""
+    real = metrics.param_counts
+    monkeypatch.setattr(metrics, "param_counts", lambda m: {**real(m), "non_embedding": real(m)["total"]})
+    assert metrics.flops_per_token(M) != hand_count(12)
