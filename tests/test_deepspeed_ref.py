@@ -260,16 +260,20 @@ def test_dp2_deepspeed_comparison_rejects_unscaled_accumulation(ds_dp2):
 
 def test_deepspeed_dp2_matches_dp1(ds_dp2, tmp_path):
     """DeepSpeed DP=2 ZeRO-1 (one micro-batch per rank) against its DP=1 run of the same global batch (2
-    accumulation steps): step 1's gradients are bit-identical -- (g1 + g2) / 2 and g1/2 + g2/2 are the same fp32
-    numbers -- but the run as a whole is only within tolerance: ZeRO-1 sums per-partition squared norms, so the
-    grad norm can round 1 ulp apart (measured: step 5 of 8), and the clip coefficient carries that into the
-    weights."""
+    accumulation steps): step 1's gradients and loss are bit-identical -- (g1 + g2) / 2 and g1/2 + g2/2 are the
+    same fp32 numbers, and both sides report round(l1 + l2) / 2 -- but the grad norm is only equal to within an
+    fp32 ulp: DeepSpeed's ``get_grad_norm_direct`` sums each rank's squared norms in fp64, rounds that partial
+    sum to fp32, then all-reduces in fp32, so DP=2 rounds three times where DP=1 rounds once. Whether the
+    roundings line up depends on the gradients' low bits, i.e. on the machine's matrix kernels (seen: step 1 and 3
+    on one AMD EPYC, step 5 on another, step 1 on an Intel Xeon). The clip coefficient carries that ulp into the
+    weights, so the run as a whole is judged at tolerance."""
     from forgetrain.trace import read_trace
 
     dp1 = run_reference(_cfg(threads=1), VerifyConfig(reference="deepspeed", steps=8), tmp_path / "dp1", 8)
     r1, r2 = read_trace(dp1 / "trace")[1], read_trace(ds_dp2["ref_gb4"] / "trace")[1]
     assert len(r1) == len(r2) == 8
     assert r1[0]["digests"]["grads"] == r2[0]["digests"]["grads"]
-    assert r1[0]["grad_norm"] == r2[0]["grad_norm"] and r1[0]["loss"] == r2[0]["loss"]
+    assert r1[0]["loss"] == r2[0]["loss"]
+    assert math.isclose(r1[0]["grad_norm"], r2[0]["grad_norm"], rel_tol=2.0**-22)  # <= 2 fp32 ulps (docstring)
     v = eq.tolerance(dp1 / "trace", ds_dp2["ref_gb4"] / "trace", ds_tolerance())
     assert v.passed, v.summary
