@@ -141,6 +141,31 @@ def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
     return template, harness
 
 
+def load_newest_good(ckpt_root: str | os.PathLike, make_template) -> tuple[dict, dict, Path, list[str]]:
+    """Load the newest checkpoint that loads: :func:`latest` first, then every older complete ``step_*``.
+
+    ``make_template()`` gives a fresh template for each try (a failed DCP load may have written part of one).
+    Returns ``(state, harness, path, skipped)``, ``skipped`` naming each damaged newer checkpoint with its
+    reason (the caller warns). Raises CheckpointError when none loads or none exists.
+    """
+    root = Path(ckpt_root)
+    first = latest(root)
+    if first is None:
+        raise CheckpointError(f"no complete checkpoint under {root}")
+    older = sorted((d for d in root.glob("step_*") if _complete(d) and d.name < first.name), reverse=True)
+    skipped: list[str] = []
+    for d in [first, *older]:
+        try:
+            state, harness = load(d, make_template())
+            return state, harness, d, skipped
+        except CheckpointError as e:
+            skipped.append(f"{d.name}: {e}")
+    newest = skipped[0].split(": ", 1)[1]
+    older_n = len(skipped) - 1
+    raise CheckpointError(newest + (f" (and the {older_n} older checkpoint{'s' if older_n > 1 else ''} under "
+                                    f"{root} do{'es' if older_n == 1 else ''} not load either)" if older_n else ""))
+
+
 def _first_line(e: BaseException) -> str:
     """The most telling line of a (possibly DCP-wrapped) exception, truncated."""
     try:

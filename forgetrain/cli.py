@@ -80,9 +80,30 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
     from forgetrain.config import to_run_config, validate
 
     obj = OmegaConf.to_container(cfg, resolve=True)
+    for extra in ("verify", "bench"):  # their own output directories, checked like train.out_dir
+        check_out_dir(f"{extra}.out_dir", (obj.get(extra) or {}).get("out_dir"))
     for extra in ("verify", "tier", "bench", "forge", "agent"):
         obj.pop(extra, None)
+    check_out_dir("train.out_dir", obj.get("train", {}).get("out_dir"))
     validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def check_out_dir(key: str, path) -> None:
+    """An output directory must be creatable and writable: the nearest existing ancestor is a writable
+    directory. Checked before Hydra creates anything. Raises ConfigError naming ``key``."""
+    from pathlib import Path
+
+    from forgetrain.errors import ConfigError
+
+    if not path:
+        return
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        raise ConfigError(f"{key}={path} cannot be created: {p} is a file, not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path} cannot be created: {p} is not writable")
 
 
 def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:

@@ -39,6 +39,9 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+SEED_MAX = 2**31 - 1  # numpy's RandomState takes < 2**32; Megatron adds offsets per rank to the seed
+
+
 @dataclass
 class TrainConfig:
     """Optimisation and loop settings. LR schedule semantics follow Megatron's OptimizerParamScheduler."""
@@ -241,6 +244,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.scenario.name not in known:
         raise ConfigError(f"unknown scenario '{cfg.scenario.name}'; known scenarios: {', '.join(sorted(known))}")
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
+    for group, obj in (("model", m), ("train", t)):  # NaN / inf pass every ordering test below: reject them first
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{group}.{f.name} must be a finite number, got {v}")
+    if not m.init_method_std > 0:
+        raise ConfigError(f"model.init_method_std must be positive, got {m.init_method_std}")
+    if not 0 <= t.seed <= SEED_MAX:
+        raise ConfigError(f"train.seed must lie in [0, {SEED_MAX}] (numpy's and Megatron's seeding), got {t.seed}")
     for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                  "ffn_hidden_size", "seq_length"):
         if getattr(m, name) <= 0:

@@ -192,15 +192,26 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
 
     start, existing = 0, []
     if t.resume:
-        last = checkpoint.latest(ckpt_root)
-        if last is None:
+        if checkpoint.latest(ckpt_root) is None:
             raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
-        state, harness = checkpoint.load(last, checkpoint.to_cpu_tree(engine.state_dict()))
+        state, harness, last, skipped = checkpoint.load_newest_good(
+            ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict()))
+        for why in skipped:
+            log.warning("skipping a damaged checkpoint, %s", why)
+            if env.rank == 0:
+                print(f"warning: checkpoint {why.split(':', 1)[0]} is damaged; resuming from {last.name} instead",
+                      file=sys.stderr)
         engine.load_state_dict(state)
         start = int(harness["step"])
         if start > t.steps:
             raise CheckpointError(f"the checkpoint {last} is at step {start}, beyond train.steps={t.steps}; "
                                   f"raise train.steps to continue it")
+        if harness.get("global_batch_size", t.global_batch_size) != t.global_batch_size:
+            # Megatron-LM refuses this too: the LR schedule counts iterations, so a new batch size silently
+            # re-times warmup and decay (and the data order of every later step changes)
+            raise CheckpointError(f"the checkpoint {last} was trained with train.global_batch_size="
+                                  f"{harness['global_batch_size']}; this resume asks for {t.global_batch_size}. "
+                                  f"Resume with the same global batch")
         if harness.get("config_hash") != config_hash(cfg):
             log.warning("resuming with a config hash %s different from the checkpoint's %s",
                         config_hash(cfg), harness.get("config_hash"))
@@ -287,7 +298,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
                 if writer:
                     writer.flush()
                 harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
-                           "side": meta["side"]}
+                           "side": meta["side"], "global_batch_size": t.global_batch_size}
                 checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
                 checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:

@@ -79,19 +79,37 @@ def test_damaged_latest_pointer_falls_back_to_newest_complete_checkpoint(damage,
     assert [r["step"] for r in records(out)] == list(range(1, 9))
 
 
-@pytest.mark.parametrize("damage", ["truncated_shard", "empty_shard", "bad_harness"])
-def test_corrupt_checkpoint_is_one_line(damage, finished, tmp_path):
-    out = _copy(finished, tmp_path)
-    ck = out / "checkpoints" / "step_000006"
+def _damage(ck: Path, damage: str) -> None:
     if damage == "bad_harness":
         (ck / "harness.json").write_text("{}")
     else:
         shard = sorted(ck.glob("*.distcp"))[0]
         data = shard.read_bytes()
         shard.write_bytes(data[: len(data) // 2] if damage == "truncated_shard" else b"")
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "empty_shard", "bad_harness"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(damage, finished, tmp_path):
+    """A damaged newest checkpoint with an intact older one: resume from the older one, with a warning naming both."""
+    out = _copy(finished, tmp_path)
+    _damage(out / "checkpoints" / "step_000006", damage)
+    p = run([*SHORT, "train.steps=8", "train.resume=true", f"train.out_dir={out}"])
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "warning: checkpoint step_000006 is damaged; resuming from step_000003" in p.stderr, p.stderr[-2000:]
+    assert "resumed from" in p.stderr and "step_000003" in p.stderr
+    assert [r["step"] for r in records(out)] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "empty_shard", "bad_harness"])
+def test_every_checkpoint_corrupt_is_one_line(damage, finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    for step in ("step_000003", "step_000006"):
+        _damage(out / "checkpoints" / step, damage)
     p = run([*SHORT, "train.steps=8", "train.resume=true", f"train.out_dir={out}"])
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert _last_line(p).startswith("error: cannot load checkpoint"), _last_line(p)
+    line = _last_line(p)
+    assert line.startswith("error: cannot load checkpoint") and "step_000006" in line, line
+    assert "the 1 older checkpoint" in line and "does not load either" in line, line
 
 
 def test_resume_with_another_model_shape_is_one_line(finished, tmp_path):
@@ -260,3 +278,28 @@ def test_failed_save_is_one_line_and_keeps_the_last_good_checkpoint(failure, tmp
     eng = Engine(c, "cpu")
     _, harness = checkpoint.load(last, checkpoint.to_cpu_tree(eng.state_dict()))
     assert harness["step"] == 2
+
+
+def test_exported_weights_do_not_change_with_the_live_ones():
+    """export_hf_weights() returns copies: a saved export must not move when the engine takes its next step."""
+    import torch
+
+    from scenarios.llama_tiny_cpu.engine import Engine
+    from tests.test_ladder import _cfg
+
+    eng = Engine(_cfg(), "cpu")
+    before = eng.export_hf_weights()
+    kept = {k: v.clone() for k, v in before.items()}
+    torch.manual_seed(0)
+    for _ in range(2):  # Megatron's schedule: the first update uses lr 0
+        eng.train_step([torch.randint(0, 4096, (2, 33)) for _ in range(2)])
+    after = eng.export_hf_weights()
+    assert any(not torch.equal(after[k], kept[k]) for k in kept)  # the step changed the weights
+    assert all(torch.equal(before[k], kept[k]) for k in kept)  # the earlier export did not move
+
+
+def test_resume_with_another_global_batch_is_refused(finished, tmp_path):
+    out = _copy(finished, tmp_path)
+    p = run([*SHORT, "train.steps=8", "train.global_batch_size=16", "train.resume=true", f"train.out_dir={out}"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "was trained with train.global_batch_size=" in _last_line(p) and "asks for 16" in _last_line(p), _last_line(p)

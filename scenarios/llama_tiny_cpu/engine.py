@@ -188,7 +188,8 @@ class Engine:
             out[hp + "post_attention_layernorm.weight"] = t[p + "pre_mlp_norm.weight"]
         out["model.norm.weight"] = t["final_norm.weight"]
         out["lm_head.weight"] = t["output_layer.weight"]
-        return {k: v.detach().float().contiguous().cpu() for k, v in out.items()}
+        # copies, always: a caller keeps what it was given while the live weights change at the next step
+        return {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous() for k, v in out.items()}
 
     def _from_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         m = self.mcfg
