@@ -81,6 +81,20 @@ def mfu_formula_label(peak_label: str) -> str:
             f"{peak_label}")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s "model name", e.g. "AMD EPYC 7B13"), else the platform's
+    processor or machine string. CPU goldens and the cached CPU peak are keyed by it: the matrix library picks
+    its kernels per CPU model, so the last bits of a product can differ between models of one architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("FORGETRAIN_CACHE", Path.home() / ".cache" / "forgetrain"))
 
@@ -93,7 +107,7 @@ def measured_cpu_peak_flops(n: int = 2048, reps: int = 6) -> float:
     would overstate MFU), so a measurement taken while the 1-minute load average exceeds the core count is used
     for this run but not cached, and a re-measurement keeps the higher of the old and new values.
     """
-    key = f"{platform.processor() or platform.machine()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     path = _cache_dir() / "cpu_peak.json"
     try:
         cache = json.loads(path.read_text())

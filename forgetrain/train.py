@@ -21,15 +21,25 @@ from forgetrain import checkpoint, registry
 from forgetrain.config import RunConfig, grad_accum_steps, validate
 from forgetrain.distributed import DistEnv, init_distributed, set_deterministic
 from forgetrain.errors import CheckpointError
-from forgetrain.metrics import WandbLogger, mfu_formula_label, mfu_metrics, param_counts, peak_flops, write_plots
+from forgetrain.metrics import WandbLogger, cpu_model, mfu_formula_label, mfu_metrics, param_counts, peak_flops, write_plots
 from forgetrain.trace import TraceWriter, read_trace, tensor_digest
 
 log = logging.getLogger("forgetrain")
 
 
 def config_hash(cfg: RunConfig) -> str:
-    """Hash of everything that changes the numbers (model, train minus logging/io fields, data, parallel)."""
+    """Hash of everything that changes the numbers (model, train minus logging/io fields, data, parallel): the
+    sha256 of :func:`hashed_config`, first 12 hex digits."""
     import hashlib
+    import json
+
+    blob = json.dumps(hashed_config(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def hashed_config(cfg: RunConfig) -> dict:
+    """The settings :func:`config_hash` covers, as a JSON-able dict (traces store it, so a stale golden can name
+    what changed)."""
     import json
 
     t = dataclasses.asdict(cfg.train)
@@ -39,9 +49,8 @@ def config_hash(cfg: RunConfig) -> str:
     p = dataclasses.asdict(cfg.parallel)
     for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute
         p.pop(k, None)
-    blob = json.dumps({"model": dataclasses.asdict(cfg.model), "train": t, "data": dataclasses.asdict(cfg.data),
-                       "parallel": p}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return json.loads(json.dumps({"model": dataclasses.asdict(cfg.model), "train": t,
+                                  "data": dataclasses.asdict(cfg.data), "parallel": p}, default=str))
 
 
 def _claim_out_dir(cfg: RunConfig, out: Path, env: DistEnv) -> None:
@@ -69,7 +78,7 @@ def _claim_out_dir(cfg: RunConfig, out: Path, env: DistEnv) -> None:
 
 def versions() -> dict:
     v = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+         "cpu": cpu_model(), "threads": torch.get_num_threads()}
     try:
         from importlib.metadata import version
 
@@ -223,6 +232,7 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
             print(f"resumed from {last} at step {start}", file=sys.stderr)
 
     meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
+            "config": hashed_config(cfg),
             "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,
             "world_size": env.world_size, "mfu_formula": mfu_formula_label(peak_label)}
     writer = TraceWriter(trace_dir, meta, existing) if env.rank == 0 else None

@@ -79,7 +79,9 @@ def _device_name(device: str) -> str:
     if _device_type(device) == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     from forgetrain.kernels._triton import interpreting
-    return f"cpu ({platform.processor() or platform.machine()}; " + \
+    from forgetrain.metrics import cpu_model
+
+    return f"cpu ({cpu_model()}; " + \
         ("Triton interpreter)" if interpreting() else "no interpreter)")
 
 
