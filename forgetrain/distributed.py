@@ -85,6 +85,7 @@ def init_distributed(parallel_cfg) -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
+    die_with_launcher()
     backend = parallel_cfg.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -93,6 +94,26 @@ def init_distributed(parallel_cfg) -> DistEnv:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s))
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def die_with_launcher() -> None:
+    """Under torchrun: have the kernel send this worker SIGKILL when its launcher dies (Linux ``prctl
+    PR_SET_PDEATHSIG``), so a ``kill -9`` of torchrun or of its process group leaves no worker training on. The
+    launcher may already be gone between fork and this call: then exit at once. No-op off Linux."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # orphaned before the signal was armed
+        os._exit(1)
 
 
 _WORLD1_STORE = None  # keeps the FileStore directory of a world-1 group alive for the process

@@ -303,3 +303,32 @@ def test_resume_with_another_global_batch_is_refused(finished, tmp_path):
     p = run([*SHORT, "train.steps=8", "train.global_batch_size=16", "train.resume=true", f"train.out_dir={out}"])
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "was trained with train.global_batch_size=" in _last_line(p) and "asks for 16" in _last_line(p), _last_line(p)
+
+
+def test_killed_launcher_leaves_no_worker(tmp_path):
+    """kill -9 of torchrun: its workers die with it (PR_SET_PDEATHSIG), within seconds, not at the run's end."""
+    import signal
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "forgetrain",
+           "model=llama_micro", "parallel=dp2", "train.steps=100000", "train.micro_batch_size=2",
+           "train.global_batch_size=4", "train.lr_warmup_steps=1", "train.threads=1", "train.eval_interval=0",
+           "train.sample_tokens=0", "train.save_interval=0", "train.save=false", f"train.out_dir={out}"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
+            time.sleep(1)
+        assert (out / "trace" / "trace.jsonl").exists(), "the run never started"
+        workers = [c for c in psutil.Process(launcher.pid).children(recursive=True)]
+        assert len(workers) >= 2
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers still alive 10 s after the launcher died: {[p.pid for p in alive]}"
+    finally:
+        for c in psutil.Process().children(recursive=True):
+            c.kill()
