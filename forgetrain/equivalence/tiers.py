@@ -1,4 +1,4 @@
-"""The equivalence tiers (DESIGN.md, "Equivalence tiers"): compare a candidate trace with the reference's.
+"""The equivalence tiers (docs/design.md, "The tiers"): compare a candidate trace with the reference's.
 
 Every tier reads trace directories (see :mod:`forgetrain.trace`) and returns a :class:`Verdict`. Strictest first:
 

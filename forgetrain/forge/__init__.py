@@ -1,4 +1,4 @@
-"""The forge loop (DESIGN.md, "The forge loop"): brief -> agent -> guard -> ladder -> record -> learn -> seal.
+"""The forge loop (docs/design.md and docs/forge.md): brief -> agent -> guard -> ladder -> record -> learn -> seal.
 
 ``python -m forgetrain.forge scenario=NAME agent.command="..." forge.max_rounds=N forge.target_tier=bitwise``
 drives any coding-agent CLI (a command that takes a prompt and edits files) inside a harness-owned git
