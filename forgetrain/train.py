@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import platform
 import sys
 import time
@@ -143,9 +144,54 @@ def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
     return decode(tok, ids)
 
 
-def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = None,
-          init_hf: dict[str, torch.Tensor] | None = None, progress: bool = True, final_params: bool = True,
-          engine_cls=None, export_init: bool = False) -> Path:
+def _lock_out_dir(out: Path, env: DistEnv):
+    """Take ``<out>/.lock`` (an exclusive ``flock``, rank 0) for the run's lifetime, so a second run on the same
+    directory -- a fresh one, a resume or an overwrite -- is refused while the first lives. The OS drops the lock
+    when the holder dies, even by kill -9. Returns the open lock file (None off rank 0). Raises ConfigError on
+    every rank when the directory is in use."""
+    import fcntl
+
+    from forgetrain.errors import ConfigError
+
+    fh, busy = None, None
+    if env.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        fh = open(out / ".lock", "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n")
+            fh.flush()
+        except OSError:
+            fh.seek(0)
+            busy = fh.read().strip() or "?"
+            fh.close()
+            fh = None
+    busy = env.broadcast_object(busy)
+    if busy is not None:
+        raise ConfigError(f"{out} is in use by another run (pid {busy}); wait for it to end, or choose another "
+                          f"train.out_dir")
+    return fh
+
+
+def train(cfg: RunConfig, **kw) -> Path:
+    """Train ``cfg.scenario.name`` holding the output directory's lock; see :func:`_train` for the arguments, the
+    outputs and the errors. A second run on a directory in use raises ConfigError."""
+    env: DistEnv = init_distributed(cfg.parallel)
+    validate(cfg, world_size=env.world_size)
+    out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
+    lock = _lock_out_dir(out, env)
+    try:
+        return _train(cfg, env, out, **kw)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", engine_name: str | None = None,
+           init_hf: dict[str, torch.Tensor] | None = None, progress: bool = True, final_params: bool = True,
+           engine_cls=None, export_init: bool = False) -> Path:
     """Train ``cfg.scenario.name`` (or ``kind/engine_name``) and return the output directory.
 
     Writes ``<out>/trace/{meta.json,trace.jsonl,final.safetensors[,modules.json]}``, checkpoints under
@@ -153,13 +199,10 @@ def train(cfg: RunConfig, *, kind: str = "scenarios", engine_name: str | None = 
     own init, e.g. the reference's exported weights; ``export_init`` writes the weights the run starts from to
     ``<out>/init.safetensors``. ``engine_cls`` bypasses the registry (tests feed mutant engines). Raises ConfigError / DataError / CheckpointError on bad input.
     """
-    env: DistEnv = init_distributed(cfg.parallel)
-    validate(cfg, world_size=env.world_size)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     set_deterministic(cfg.train.deterministic, cfg.hardware.device)
     device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
-    out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     trace_dir, ckpt_root = out / "trace", out / "checkpoints"
     _claim_out_dir(cfg, out, env)
 

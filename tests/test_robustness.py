@@ -332,3 +332,30 @@ def test_killed_launcher_leaves_no_worker(tmp_path):
     finally:
         for c in psutil.Process().children(recursive=True):
             c.kill()
+
+
+def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
+    """While one run holds an out_dir, a second one (fresh, resume or overwrite) is refused with one line and
+    changes nothing; once the first has ended, the directory is free again."""
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, "-m", "forgetrain", *SHORT, "train.steps=100000", "train.save=false",
+                              f"train.out_dir={out}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        assert (out / "trace" / "trace.jsonl").exists(), "the first run never started"
+        for extra in ([], ["train.overwrite=true"], ["train.resume=true"]):
+            p = run([*SHORT, *extra, f"train.out_dir={out}"])
+            assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
+            assert f"is in use by another run (pid {first.pid})" in _last_line(p), _last_line(p)
+        assert first.poll() is None and (out / "trace" / "trace.jsonl").exists()
+    finally:
+        first.kill()
+        first.wait()
+    p = run([*SHORT, "train.overwrite=true", f"train.out_dir={out}"])  # the dead run's lock is gone with it
+    assert p.returncode == 0, p.stderr[-1500:]
