@@ -6,6 +6,11 @@ steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (hos
 is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
 speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
 
+The headline rows are the configured global batch, which should be production-like (gradient accumulation >= 8;
+one warning line otherwise). With ``bench.single_micro_batch`` (default) every side is timed again at one
+micro-batch per step (global batch = micro-batch x DP) and reported beside it; every row carries its
+``global_batch_size`` and ``grad_accum``.
+
 MFU comes from ``forgetrain.metrics`` under both of its labelled conventions (``mfu_pct``: PaLM's, attention
 without causal halving; ``mfu_causal_pct``: Megatron-LM's causal one) against ``hardware.peak_tflops`` (or a
 measured matmul peak on CPU) times the number of devices.
@@ -18,6 +23,7 @@ and only rank 0 prints and writes ``bench.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -36,6 +42,7 @@ class BenchConfig:
     steps: int = 10  # timed steps per side (median)
     warmup: int = 3  # untimed steps per side
     interleave: str = "auto"  # auto | always | never. never: A, B..., A blocks (one engine in memory at a time)
+    single_micro_batch: bool = True  # also time one micro-batch per step (global batch = micro-batch x DP)
     out_dir: Optional[str] = None
 
 
@@ -276,6 +283,10 @@ def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_c
 
 
 def summarize(cfg: RunConfig, times: dict) -> list[dict]:
+    """One row per timed side of ``times`` (side -> step seconds, as from :func:`timed_sides`): median step_s and
+    its IQR (s), tokens_per_s, mfu_pct and mfu_causal_pct (%), mem_gib (GiB; None on CPU), forged_speedup (this
+    side's step time / the forged one's), labelled with the config's ``global_batch_size`` (samples) and
+    ``grad_accum`` (micro-batches per step per DP rank). Raises KeyError when ``times`` has no "forged" side."""
     from forgetrain.metrics import mfu_metrics, peak_flops
 
     peak, label = peak_flops(cfg.hardware)
@@ -292,19 +303,22 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
         med = statistics.median(ts)
         rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "tokens_per_s": tokens / med,
                      **mfu_metrics(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
-                     "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1]})
+                     "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1],
+                     "global_batch_size": cfg.train.global_batch_size, "grad_accum": grad_accum_steps(cfg)})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
+    """Print ``rows`` (from :func:`summarize`, non-empty) as one table; raises IndexError when empty."""
     from forgetrain.metrics import mfu_formula_label
 
-    print(f"{'side':<12} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} {'mfu_causal_pct':>15} "
-          f"{'mem_gib':>8} {'forged x':>9}")
+    print(f"{'side':<12} {'gbs':>5} {'accum':>5} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} "
+          f"{'mfu_causal_pct':>15} {'mem_gib':>8} {'forged x':>9}")
     for r in rows:
         mem = f"{r['mem_gib']:.1f}" if r["mem_gib"] is not None else "-"
-        print(f"{r['side']:<12} {r['step_s']:>9.4f} {r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} "
-              f"{r['mfu_pct']:>8.2f} {r['mfu_causal_pct']:>15.2f} {mem:>8} {r['forged_speedup']:>9.2f}")
+        print(f"{r['side']:<12} {r['global_batch_size']:>5} {r['grad_accum']:>5} {r['step_s']:>9.4f} "
+              f"{r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} {r['mfu_pct']:>8.2f} {r['mfu_causal_pct']:>15.2f} "
+              f"{mem:>8} {r['forged_speedup']:>9.2f}")
     print(f"MFU = FLOPs/token x tokens/s / (peak x {rows[0]['devices']} devices); "
           f"{mfu_formula_label(rows[0]['peak'])}")
 
@@ -340,24 +354,61 @@ def bench_task(cfg) -> None:
         _bench(rc, b, env.rank)
 
 
-def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
-    from forgetrain.trace import atomic_write_json
-    from forgetrain.train import _out_dir, versions
+def headline_warning(cfg: RunConfig) -> Optional[str]:
+    """The one warning line for a headline that is not production-like (gradient accumulation < 8), suggesting
+    the global batch (samples) that gives 8; None when accumulation is >= 8."""
+    ga, mb_dp = grad_accum_steps(cfg), cfg.train.micro_batch_size * cfg.parallel.data_parallel_size
+    if ga >= 8:
+        return None
+    return (f"warning: the headline is not production-like (grad_accum {ga} < 8); for a production-like headline "
+            f"use train.global_batch_size={8 * mb_dp} (8 x micro-batch {cfg.train.micro_batch_size} x DP "
+            f"{cfg.parallel.data_parallel_size})")
 
-    mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave)
-    if rank != 0:
-        return
-    rows = summarize(rc, times)
-    print(f"timing: {mode}; warm-up {b.warmup}, median of {b.steps} steps per side; tokens/step "
-          f"{rc.train.global_batch_size * rc.model.seq_length}")
+
+def single_micro_batch_config(cfg: RunConfig) -> RunConfig:
+    """A copy of ``cfg`` with one micro-batch per step: train.global_batch_size = micro-batch x DP."""
+    t = cfg.train
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        t, global_batch_size=t.micro_batch_size * cfg.parallel.data_parallel_size))
+
+
+def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) -> list[dict]:
+    """Print one row set (its title, timing line, table, OOMs and forged drift) and return its rows."""
+    rows = summarize(cfg, times)
+    print(f"{title}: global_batch_size {cfg.train.global_batch_size}, grad_accum {grad_accum_steps(cfg)}; timing: "
+          f"{mode}; warm-up {b.warmup}, median of {b.steps} steps per side; tokens/step "
+          f"{cfg.train.global_batch_size * cfg.model.seq_length}")
     print_table(rows)
     for name in times.get("_oom", []):
         print(f"{name}: out of memory at this shape (not timed)")
     if "_forged_blocks" in times:
         a, c = times["_forged_blocks"]
         print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
+    return rows
+
+
+def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import _out_dir, versions
+
+    mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave)
+    single_cfg = single_micro_batch_config(rc)
+    single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
+    if b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size:
+        single = timed_sides(single_cfg, list(b.against), b.steps, b.warmup, b.interleave)
+    if rank != 0:
+        return
+    warning = headline_warning(rc)
+    if warning:
+        print(warning)
+    rows = _report("headline", rc, b, mode, times)
+    rows_single = _report("single micro-batch", single_cfg, b, *single) if single else None
+    if b.single_micro_batch and not single:
+        print("single micro-batch: the headline is one micro-batch per step already (not timed twice)")
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
-    atomic_write_json(out / "bench.json", {"rows": rows, "mode": mode, "oom": times.get("_oom", []),
+    atomic_write_json(out / "bench.json", {"rows": rows, "rows_single_micro_batch": rows_single, "mode": mode,
+                                           "oom": times.get("_oom", []),
+                                           "oom_single_micro_batch": single[1].get("_oom", []) if single else [],
                                            "forged_blocks_s": times.get("_forged_blocks"),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})

@@ -19,15 +19,17 @@ def _env():
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
-def _check(out: Path, devices: int) -> list[dict]:
+def _check(out: Path, devices: int, gbs: int, grad_accum: int, key: str = "rows") -> list[dict]:
+    """The row set ``key`` of bench.json: both sides, units, devices, and the global batch it was timed at."""
     res = json.loads((out / "bench.json").read_text())
-    rows = {r["side"]: r for r in res["rows"]}
+    rows = {r["side"]: r for r in res[key]}
     assert set(rows) == {"forged", "megatron"}
     for r in rows.values():
         assert r["n"] == 2 and r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu_pct"] > 0
-        assert r["devices"] == devices
+        assert r["mfu_causal_pct"] > 0 and "mem_gib" in r
+        assert r["devices"] == devices and r["global_batch_size"] == gbs and r["grad_accum"] == grad_accum
     assert rows["forged"]["forged_speedup"] == 1.0
-    return res["rows"]
+    return res[key]
 
 
 def test_bench_one_process(tmp_path):
@@ -35,8 +37,11 @@ def test_bench_one_process(tmp_path):
                         f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True, capture_output=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    _check(tmp_path, 1)
+    _check(tmp_path, 1, gbs=4, grad_accum=2)  # the headline (the configured global batch)
+    _check(tmp_path, 1, gbs=2, grad_accum=1, key="rows_single_micro_batch")  # one micro-batch per step beside it
     assert "tokens_per_s" in p.stdout and "1 devices" in p.stdout
+    warnings = [x for x in p.stdout.splitlines() if "not production-like" in x]
+    assert len(warnings) == 1 and "train.global_batch_size=16" in warnings[0], p.stdout
 
 
 def test_bench_under_torchrun_dp2(tmp_path):
@@ -48,8 +53,24 @@ def test_bench_under_torchrun_dp2(tmp_path):
            f"bench.out_dir={tmp_path}"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), text=True, capture_output=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    _check(tmp_path, 2)
-    assert p.stdout.count("tokens_per_s") == 1 and "2 devices" in p.stdout
+    _check(tmp_path, 2, gbs=8, grad_accum=2)
+    _check(tmp_path, 2, gbs=4, grad_accum=1, key="rows_single_micro_batch")  # micro-batch 2 x DP 2
+    assert p.stdout.count("tokens_per_s") == 2 and "2 devices" in p.stdout  # two tables, rank 0 only
+    assert p.stdout.count("not production-like") == 1
+
+
+def test_headline_warning_below_8_micro_batches():
+    """The warning fires below 8 micro-batches per step and suggests 8 x micro-batch x DP; silent at 8."""
+    from forgetrain.bench import headline_warning, single_micro_batch_config
+    from forgetrain.config import ParallelConfig, RunConfig, TrainConfig
+
+    cfg = RunConfig(train=TrainConfig(micro_batch_size=2, global_batch_size=8),
+                    parallel=ParallelConfig(data_parallel_size=2))
+    assert "train.global_batch_size=32" in headline_warning(cfg)
+    assert headline_warning(RunConfig(train=TrainConfig(micro_batch_size=2, global_batch_size=32),
+                                      parallel=ParallelConfig(data_parallel_size=2))) is None
+    one = single_micro_batch_config(cfg)
+    assert one.train.global_batch_size == 4 and cfg.train.global_batch_size == 8  # a copy; the original kept
 
 
 def test_bench_rejects_unknown_reference(tmp_path):
