@@ -6,6 +6,16 @@ steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (hos
 is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
 speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
 
+The headline rows are the configured global batch, which should be production-like (gradient accumulation >= 8;
+one warning line otherwise). With ``bench.single_micro_batch`` (default) every side is timed again at one
+micro-batch per step (global batch = micro-batch x DP) and reported beside it; every row carries its
+``global_batch_size`` and ``grad_accum``.
+
+With ``bench.profile=true`` one extra, untimed step of each side (after its timed steps, at the headline batch)
+runs under ``torch.profiler``: a per-category table (:data:`PROFILE_RULES`; CUDA kernel time on the GPU, self
+CPU time of the ops on CPU) is printed and stored under "profile" in bench.json, and the Chrome trace is written
+to ``profile_<side>.json`` beside it. Under torchrun every rank runs that step; the table and trace are rank 0's.
+
 MFU comes from ``forgetrain.metrics`` under both of its labelled conventions (``mfu_pct``: PaLM's, attention
 without causal halving; ``mfu_causal_pct``: Megatron-LM's causal one) against ``hardware.peak_tflops`` (or a
 measured matmul peak on CPU) times the number of devices.
@@ -18,8 +28,12 @@ and only rank 0 prints and writes ``bench.json``.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +50,8 @@ class BenchConfig:
     steps: int = 10  # timed steps per side (median)
     warmup: int = 3  # untimed steps per side
     interleave: str = "auto"  # auto | always | never. never: A, B..., A blocks (one engine in memory at a time)
+    single_micro_batch: bool = True  # also time one micro-batch per step (global batch = micro-batch x DP)
+    profile: bool = False  # profile one extra step per side: category table + out_dir/profile_<side>.json
     out_dir: Optional[str] = None
 
 
@@ -159,8 +175,97 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
     return {"forged": forged, **sides}
 
 
-def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int) -> dict[str, list[float]]:
-    """Interleaved A/B timing: returns side -> list of step seconds (``steps`` each, after ``warmup``)."""
+# Profile categories: (category, regex over the lower-cased kernel/op name), first match wins, so the order
+# matters: log_softmax is cross-entropy before softmax is attention, cuDNN's sm90 SDPA kernels are attention
+# before sm90 is GEMM. Names that match no rule are "other".
+PROFILE_RULES: tuple[tuple[str, str], ...] = (
+    ("communication", r"nccl|gloo|c10d|comms|all_?reduce|reduce_?scatter|all_?gather"),
+    ("optimizer", r"adam|_foreach|multi_tensor"),
+    ("cross-entropy", r"cross_?entropy|nll|log_?softmax|\b_ce_"),
+    ("norm", r"rms_?norm|layer_?norm"),
+    ("attention", r"sdpa|scaled_dot_product|flash|cudnn|efficient_attention|softmax"),
+    ("GEMM", r"\b_?(baddbmm|addmm|bmm|mm|matmul)|linear|gemm|cutlass|sm90|nvjet|xmma"),
+    ("copies and casts", r"copy|memcpy|memset|\bto\b|(\b|_)cast|contiguous|\bcat\b|catarray"),
+)
+PROFILE_CATEGORIES = tuple(c for c, _ in PROFILE_RULES) + ("other",)
+
+
+def classify(name: str) -> str:
+    """The :data:`PROFILE_RULES` category of a kernel or op name (first matching rule), else "other"."""
+    low = name.lower()
+    return next((cat for cat, pattern in PROFILE_RULES if re.search(pattern, low)), "other")
+
+
+def breakdown(times_us: list[tuple[str, float]], basis: str, step_ms: float) -> dict:
+    """Per-category totals of ``(kernel or op name, microseconds)`` pairs: ``{"basis": basis, "step_ms": wall ms
+    of the profiled step, "total_ms": sum, "categories": {category: {"ms", "pct"}}}`` with every category of
+    :data:`PROFILE_CATEGORIES` in order; pct is of total_ms (0 when nothing was recorded)."""
+    ms = dict.fromkeys(PROFILE_CATEGORIES, 0.0)
+    for name, us in times_us:
+        ms[classify(name)] += us / 1e3
+    total = sum(ms.values())
+    return {"basis": basis, "step_ms": step_ms, "total_ms": total,
+            "categories": {c: {"ms": v, "pct": 100.0 * v / total if total else 0.0} for c, v in ms.items()}}
+
+
+def _export_trace(prof, path: Path) -> None:
+    """``prof.export_chrome_trace`` to ``path`` atomically (a temp name in the same directory, then replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def profile_step(eng, batch: list[torch.Tensor], device: torch.device, trace_path: Optional[Path] = None) -> dict:
+    """Run ``eng.train_step(batch)`` (batch: ``[grad_accum]`` of ``[mb, seq + 1]`` int64) once under
+    ``torch.profiler`` (CPU activity, plus CUDA on a GPU) and return its :func:`breakdown`: on a GPU by the CUDA
+    kernels' device time (summed over streams, which may overlap), on CPU by the ops' self CPU time. Writes the
+    Chrome trace to ``trace_path`` atomically when given. Raises what ``train_step`` or the export raises."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        with _Timer(device) as tm:  # synchronizes on the GPU, so every kernel lands in the profile
+            eng.train_step(batch)
+    if trace_path is not None:
+        _export_trace(prof, trace_path)
+    if cuda:
+        pairs = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return breakdown(pairs, "CUDA kernel time", tm.s * 1e3)
+    pairs = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    return breakdown(pairs, "self CPU time of ops", tm.s * 1e3)
+
+
+def _profile_side(times: dict, name: str, eng, batch, device, profile_dir: Optional[Path]) -> None:
+    """Profile one extra step of side ``name`` into ``times["_profile"]`` (every rank runs it: the step has
+    collectives); rank 0 writes ``profile_dir/profile_<name>.json``. Nothing when ``profile_dir`` is None."""
+    if profile_dir is None:
+        return
+    trace = profile_dir / f"profile_{name}.json" if _world()[0] == 0 else None
+    times.setdefault("_profile", {})[name] = profile_step(eng, batch, device, trace)
+
+
+def print_profile(name: str, b: dict) -> None:
+    """Print one side's :func:`breakdown` as a table (ms and % per category)."""
+    print(f"profile {name}: {b['basis']} per category (one untimed step, wall {b['step_ms']:.1f} ms under the "
+          f"profiler)")
+    for cat, v in b["categories"].items():
+        print(f"  {cat:<18} {v['ms']:>10.2f} ms {v['pct']:>6.1f}%")
+    print(f"  {'total':<18} {b['total_ms']:>10.2f} ms {100.0 if b['total_ms'] else 0.0:>6.1f}%")
+
+
+def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int,
+               profile_dir: Optional[Path] = None) -> dict[str, list[float]]:
+    """Interleaved A/B timing: returns side -> list of step seconds (``steps`` each, after ``warmup``), plus
+    ``"_mem_gib"`` (side -> GiB, GPU only) and, with ``profile_dir``, ``"_profile"`` (side -> breakdown of one
+    extra untimed step)."""
     device = _device(cfg)
     batches = _batches(cfg, warmup + steps)
     times = {k: [] for k in sides}
@@ -176,6 +281,8 @@ def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int) -> dict[str
             if device.type == "cuda":
                 mem[name] = max(mem.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
     times["_mem_gib"] = mem  # type: ignore[assignment]
+    for name, eng in sides.items():
+        _profile_side(times, name, eng, batches[-1], device, profile_dir)
     return times
 
 
@@ -185,10 +292,12 @@ def _bytes_per_engine(cfg: RunConfig) -> float:
     return param_counts(cfg.model)["total"] * 18.0  # bf16 weights + fp32 main, grad, Adam m and v
 
 
-def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None) -> dict:
+def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None,
+                     profile_dir: Optional[Path] = None) -> dict:
     """Blocks A, B, C, ..., A (A = forged), one engine in memory at a time, for models too big to hold every
     side at once. The forged engine is timed before and after the others; its two blocks' medians bracket any
-    drift of the machine, and the reported spread includes both blocks."""
+    drift of the machine, and the reported spread includes both blocks. With ``profile_dir`` each side's first
+    block ends with one profiled, untimed step (:func:`time_sides`)."""
     import gc
 
     from forgetrain import registry
@@ -225,6 +334,8 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
                 t_first = tm.s
         if device.type == "cuda":
             times["_mem_gib"][name] = max(times["_mem_gib"].get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        if name not in times.get("_profile", {}):
+            _profile_side(times, name, eng, batches[-1], device, profile_dir)
         med = statistics.median(out)  # this rank's (rank 0 prints; the table reduces over ranks)
         _say(f"[block] {name}: build {t_build:.1f}s, first step {t_first:.1f}s, median step {med:.4f}s, "
              f"{tokens / med:,.0f} tokens/s, MFU (PaLM) {mfu_pct(cfg.model, tokens / med, peak, _world()[1]):.1f}%, "
@@ -251,16 +362,17 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
 
 
 def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, interleave: str = "auto",
-                engine_cls=None) -> tuple[str, dict]:
+                engine_cls=None, profile_dir: Optional[Path] = None) -> tuple[str, dict]:
     """(mode, side -> step seconds) for the forged engine and ``against``: interleaved A/B when every side fits
     in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
-    (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun)."""
+    (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun). With
+    ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`)."""
     fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * (
         torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda" else 8e9)
     if interleave == "always" or (interleave == "auto" and fits):
-        mode, times = "interleaved", time_sides(cfg, build_sides(cfg, against, engine_cls), steps, warmup)
+        mode, times = "interleaved", time_sides(cfg, build_sides(cfg, against, engine_cls), steps, warmup, profile_dir)
     else:
-        mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls)
+        mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls, profile_dir)
     return mode, reduce_over_ranks(times)
 
 
@@ -276,6 +388,10 @@ def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_c
 
 
 def summarize(cfg: RunConfig, times: dict) -> list[dict]:
+    """One row per timed side of ``times`` (side -> step seconds, as from :func:`timed_sides`): median step_s and
+    its IQR (s), tokens_per_s, mfu_pct and mfu_causal_pct (%), mem_gib (GiB; None on CPU), forged_speedup (this
+    side's step time / the forged one's), labelled with the config's ``global_batch_size`` (samples) and
+    ``grad_accum`` (micro-batches per step per DP rank). Raises KeyError when ``times`` has no "forged" side."""
     from forgetrain.metrics import mfu_metrics, peak_flops
 
     peak, label = peak_flops(cfg.hardware)
@@ -292,19 +408,22 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
         med = statistics.median(ts)
         rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "tokens_per_s": tokens / med,
                      **mfu_metrics(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
-                     "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1]})
+                     "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1],
+                     "global_batch_size": cfg.train.global_batch_size, "grad_accum": grad_accum_steps(cfg)})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
+    """Print ``rows`` (from :func:`summarize`, non-empty) as one table; raises IndexError when empty."""
     from forgetrain.metrics import mfu_formula_label
 
-    print(f"{'side':<12} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} {'mfu_causal_pct':>15} "
-          f"{'mem_gib':>8} {'forged x':>9}")
+    print(f"{'side':<12} {'gbs':>5} {'accum':>5} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} "
+          f"{'mfu_causal_pct':>15} {'mem_gib':>8} {'forged x':>9}")
     for r in rows:
         mem = f"{r['mem_gib']:.1f}" if r["mem_gib"] is not None else "-"
-        print(f"{r['side']:<12} {r['step_s']:>9.4f} {r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} "
-              f"{r['mfu_pct']:>8.2f} {r['mfu_causal_pct']:>15.2f} {mem:>8} {r['forged_speedup']:>9.2f}")
+        print(f"{r['side']:<12} {r['global_batch_size']:>5} {r['grad_accum']:>5} {r['step_s']:>9.4f} "
+              f"{r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} {r['mfu_pct']:>8.2f} {r['mfu_causal_pct']:>15.2f} "
+              f"{mem:>8} {r['forged_speedup']:>9.2f}")
     print(f"MFU = FLOPs/token x tokens/s / (peak x {rows[0]['devices']} devices); "
           f"{mfu_formula_label(rows[0]['peak'])}")
 
@@ -340,24 +459,66 @@ def bench_task(cfg) -> None:
         _bench(rc, b, env.rank)
 
 
-def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
-    from forgetrain.trace import atomic_write_json
-    from forgetrain.train import _out_dir, versions
+def headline_warning(cfg: RunConfig) -> Optional[str]:
+    """The one warning line for a headline that is not production-like (gradient accumulation < 8), suggesting
+    the global batch (samples) that gives 8; None when accumulation is >= 8."""
+    ga, mb_dp = grad_accum_steps(cfg), cfg.train.micro_batch_size * cfg.parallel.data_parallel_size
+    if ga >= 8:
+        return None
+    return (f"warning: the headline is not production-like (grad_accum {ga} < 8); for a production-like headline "
+            f"use train.global_batch_size={8 * mb_dp} (8 x micro-batch {cfg.train.micro_batch_size} x DP "
+            f"{cfg.parallel.data_parallel_size})")
 
-    mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave)
-    if rank != 0:
-        return
-    rows = summarize(rc, times)
-    print(f"timing: {mode}; warm-up {b.warmup}, median of {b.steps} steps per side; tokens/step "
-          f"{rc.train.global_batch_size * rc.model.seq_length}")
+
+def single_micro_batch_config(cfg: RunConfig) -> RunConfig:
+    """A copy of ``cfg`` with one micro-batch per step: train.global_batch_size = micro-batch x DP."""
+    t = cfg.train
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        t, global_batch_size=t.micro_batch_size * cfg.parallel.data_parallel_size))
+
+
+def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) -> list[dict]:
+    """Print one row set (its title, timing line, table, OOMs and forged drift) and return its rows."""
+    rows = summarize(cfg, times)
+    print(f"{title}: global_batch_size {cfg.train.global_batch_size}, grad_accum {grad_accum_steps(cfg)}; timing: "
+          f"{mode}; warm-up {b.warmup}, median of {b.steps} steps per side; tokens/step "
+          f"{cfg.train.global_batch_size * cfg.model.seq_length}")
     print_table(rows)
     for name in times.get("_oom", []):
         print(f"{name}: out of memory at this shape (not timed)")
     if "_forged_blocks" in times:
         a, c = times["_forged_blocks"]
         print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
+    return rows
+
+
+def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import _out_dir, versions
+
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
-    atomic_write_json(out / "bench.json", {"rows": rows, "mode": mode, "oom": times.get("_oom", []),
+    mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
+                              profile_dir=out if b.profile else None)
+    single_cfg = single_micro_batch_config(rc)
+    single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
+    if b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size:
+        single = timed_sides(single_cfg, list(b.against), b.steps, b.warmup, b.interleave)
+    if rank != 0:
+        return
+    warning = headline_warning(rc)
+    if warning:
+        print(warning)
+    rows = _report("headline", rc, b, mode, times)
+    rows_single = _report("single micro-batch", single_cfg, b, *single) if single else None
+    if b.single_micro_batch and not single:
+        print("single micro-batch: the headline is one micro-batch per step already (not timed twice)")
+    for name, prof in times.get("_profile", {}).items():
+        print_profile(name, prof)
+        print(f"wrote {out / f'profile_{name}.json'}", file=sys.stderr)
+    atomic_write_json(out / "bench.json", {"rows": rows, "rows_single_micro_batch": rows_single, "mode": mode,
+                                           "oom": times.get("_oom", []),
+                                           "oom_single_micro_batch": single[1].get("_oom", []) if single else [],
+                                           "profile": times.get("_profile"),
                                            "forged_blocks_s": times.get("_forged_blocks"),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})

@@ -99,15 +99,26 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("FORGETRAIN_CACHE", Path.home() / ".cache" / "forgetrain"))
 
 
+_RUN_PEAK: dict[str, float] = {}  # this process's peak per cache key: one run's tables share one denominator
+
+
 def measured_cpu_peak_flops(n: int = 2048, reps: int = 6) -> float:
     """Best fp32 matmul FLOP/s over square products of 512, 1024 and ``n`` on this CPU at torch's current thread count, cached on disk.
 
     The cache key holds the CPU model, thread count and torch version, so a different machine re-measures;
     ``FORGETRAIN_REMEASURE_PEAK=1`` forces a new measurement. Other jobs can only lower a measured peak (which
     would overstate MFU), so a measurement taken while the 1-minute load average exceeds the core count is used
-    for this run but not cached, and a re-measurement keeps the higher of the old and new values.
+    for this run but not cached, and a re-measurement keeps the higher of the old and new values. Within one
+    process the first value is reused (a bench's headline and single-micro-batch rows share their MFU peak).
     """
     key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    if key in _RUN_PEAK:
+        return _RUN_PEAK[key]
+    _RUN_PEAK[key] = _measure_or_cached(key, n, reps)
+    return _RUN_PEAK[key]
+
+
+def _measure_or_cached(key: str, n: int, reps: int) -> float:
     path = _cache_dir() / "cpu_peak.json"
     try:
         cache = json.loads(path.read_text())

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model=llama_micro", "train.micro_batch_size=2", "train.lr_warmup_steps=1", "bench.steps=2",
         "bench.warmup=1", "bench.against=[megatron]", "train.threads=1"]
@@ -19,15 +21,17 @@ def _env():
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
-def _check(out: Path, devices: int) -> list[dict]:
+def _check(out: Path, devices: int, gbs: int, grad_accum: int, key: str = "rows") -> list[dict]:
+    """The row set ``key`` of bench.json: both sides, units, devices, and the global batch it was timed at."""
     res = json.loads((out / "bench.json").read_text())
-    rows = {r["side"]: r for r in res["rows"]}
+    rows = {r["side"]: r for r in res[key]}
     assert set(rows) == {"forged", "megatron"}
     for r in rows.values():
         assert r["n"] == 2 and r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["mfu_pct"] > 0
-        assert r["devices"] == devices
+        assert r["mfu_causal_pct"] > 0 and "mem_gib" in r
+        assert r["devices"] == devices and r["global_batch_size"] == gbs and r["grad_accum"] == grad_accum
     assert rows["forged"]["forged_speedup"] == 1.0
-    return res["rows"]
+    return res[key]
 
 
 def test_bench_one_process(tmp_path):
@@ -35,8 +39,11 @@ def test_bench_one_process(tmp_path):
                         f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True, capture_output=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    _check(tmp_path, 1)
+    _check(tmp_path, 1, gbs=4, grad_accum=2)  # the headline (the configured global batch)
+    _check(tmp_path, 1, gbs=2, grad_accum=1, key="rows_single_micro_batch")  # one micro-batch per step beside it
     assert "tokens_per_s" in p.stdout and "1 devices" in p.stdout
+    warnings = [x for x in p.stdout.splitlines() if "not production-like" in x]
+    assert len(warnings) == 1 and "train.global_batch_size=16" in warnings[0], p.stdout
 
 
 def test_bench_under_torchrun_dp2(tmp_path):
@@ -48,8 +55,24 @@ def test_bench_under_torchrun_dp2(tmp_path):
            f"bench.out_dir={tmp_path}"]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), text=True, capture_output=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    _check(tmp_path, 2)
-    assert p.stdout.count("tokens_per_s") == 1 and "2 devices" in p.stdout
+    _check(tmp_path, 2, gbs=8, grad_accum=2)
+    _check(tmp_path, 2, gbs=4, grad_accum=1, key="rows_single_micro_batch")  # micro-batch 2 x DP 2
+    assert p.stdout.count("tokens_per_s") == 2 and "2 devices" in p.stdout  # two tables, rank 0 only
+    assert p.stdout.count("not production-like") == 1
+
+
+def test_headline_warning_below_8_micro_batches():
+    """The warning fires below 8 micro-batches per step and suggests 8 x micro-batch x DP; silent at 8."""
+    from forgetrain.bench import headline_warning, single_micro_batch_config
+    from forgetrain.config import ParallelConfig, RunConfig, TrainConfig
+
+    cfg = RunConfig(train=TrainConfig(micro_batch_size=2, global_batch_size=8),
+                    parallel=ParallelConfig(data_parallel_size=2))
+    assert "train.global_batch_size=32" in headline_warning(cfg)
+    assert headline_warning(RunConfig(train=TrainConfig(micro_batch_size=2, global_batch_size=32),
+                                      parallel=ParallelConfig(data_parallel_size=2))) is None
+    one = single_micro_batch_config(cfg)
+    assert one.train.global_batch_size == 4 and cfg.train.global_batch_size == 8  # a copy; the original kept
 
 
 def test_bench_rejects_unknown_reference(tmp_path):
@@ -83,3 +106,106 @@ def test_step_time_is_the_slowest_ranks(tmp_path):
     mp.spawn(_reduce_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
     red = json.loads(out.read_text())
     assert red["forged"] == [2.0, 5.0] and red["_mem_gib"] == {"forged": 2.0} and red["_forged_blocks"] == [1.0, 1.0]
+
+
+def _check_profile(b: dict) -> None:
+    """A profile breakdown: every category, categories sum to the total, and GEMM time was found."""
+    from forgetrain.bench import PROFILE_CATEGORIES
+
+    cats = b["categories"]
+    assert set(cats) == set(PROFILE_CATEGORIES) and b["total_ms"] > 0  # bench.json sorts keys and b["step_ms"] > 0
+    assert abs(sum(v["ms"] for v in cats.values()) - b["total_ms"]) <= 1e-6 * b["total_ms"]
+    assert abs(sum(v["pct"] for v in cats.values()) - 100.0) <= 1e-6
+    assert cats["GEMM"]["ms"] > 0, f"no GEMM time: {cats}"
+
+
+def test_bench_profile_and_no_second_row_set(tmp_path):
+    """GBS == micro-batch: one row set only. bench.profile: a valid Chrome trace per side and its breakdown."""
+    p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, "train.global_batch_size=2",
+                        "bench.profile=true", f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True,
+                       capture_output=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    _check(tmp_path, 1, gbs=2, grad_accum=1)
+    assert res["rows_single_micro_batch"] is None and p.stdout.count("tokens_per_s") == 1
+    assert set(res["profile"]) == {"forged", "megatron"}
+    for side, b in res["profile"].items():
+        assert b["basis"] == "self CPU time of ops"
+        _check_profile(b)
+        trace = json.loads((tmp_path / f"profile_{side}.json").read_text())
+        assert trace["traceEvents"]
+        assert f"profile {side}: self CPU time of ops" in p.stdout
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # atomic writes leave no temp file
+
+
+@pytest.mark.parametrize("key", ["profile", "single_micro_batch"])
+def test_bench_switches_are_booleans(tmp_path, key):
+    p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, f"bench.{key}=maybe",
+                        f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True, capture_output=True,
+                       timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"bench.{key}=maybe" in p.stderr and "not a valid bool" in p.stderr, p.stderr[-1500:]
+
+
+@pytest.mark.parametrize("name,category", [
+    ("aten::mm", "GEMM"), ("aten::baddbmm", "GEMM"), ("aten::linear", "GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "GEMM"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_NNT", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_64x4_tn_align8>", "GEMM"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("aten::_scaled_dot_product_efficient_attention", "attention"), ("aten::_softmax", "attention"),
+    ("aten::_log_softmax", "cross-entropy"), ("aten::nll_loss_forward", "cross-entropy"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "cross-entropy"),
+    ("_VocabParallelCrossEntropy", "cross-entropy"), ("_ce_fwd_kernel", "cross-entropy"),
+    ("Optimizer.step#AdamW.step", "optimizer"), ("aten::_foreach_mul_", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>>", "optimizer"),
+    ("aten::rms_norm", "norm"), ("_rmsnorm_fwd_kernel", "norm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "norm"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"), ("gloo:all_reduce", "communication"),
+    ("c10d::reduce_scatter_tensor_coalesced_", "communication"),
+    ("aten::copy_", "copies and casts"), ("aten::_to_copy", "copies and casts"), ("aten::to", "copies and casts"),
+    ("aten::cat", "copies and casts"), ("Memcpy DtoD (Device -> Device)", "copies and casts"),
+    ("aten::mul", "other"), ("aten::broadcast_tensors", "other"), ("aten::t", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
+])
+def test_classify(name, category):
+    from forgetrain.bench import classify
+
+    assert classify(name) == category
+
+
+class _TinyEngine:
+    """A train_step with a GEMM, a cross-entropy and an AdamW step, for in-process profiling."""
+
+    def __init__(self):
+        import torch
+
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(16, 32)
+        self.opt = torch.optim.AdamW(self.lin.parameters())
+
+    def train_step(self, batch):
+        import torch.nn.functional as F
+
+        for mb in batch:
+            F.cross_entropy(self.lin(mb[:, :-1].float()), mb[:, -1]).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def test_profile_check_catches_a_classifier_without_gemm(tmp_path, monkeypatch):
+    """The profile check passes with the rule table and fails once GEMM is dropped from it (matmuls -> other)."""
+    import torch
+
+    from forgetrain import bench
+
+    batch = [torch.randint(0, 32, (4, 17))]
+    b = bench.profile_step(_TinyEngine(), batch, torch.device("cpu"), tmp_path / "profile_tiny.json")
+    _check_profile(b)
+    assert json.loads((tmp_path / "profile_tiny.json").read_text())["traceEvents"]
+    monkeypatch.setattr(bench, "PROFILE_RULES", tuple(r for r in bench.PROFILE_RULES if r[0] != "GEMM"))
+    broken = bench.profile_step(_TinyEngine(), batch, torch.device("cpu"))
+    assert bench.classify("aten::addmm") == "other" and broken["categories"]["GEMM"]["ms"] == 0
+    with pytest.raises(AssertionError, match="no GEMM time"):
+        _check_profile(broken)
