@@ -359,3 +359,14 @@ def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
         first.wait()
     p = run([*SHORT, "train.overwrite=true", f"train.out_dir={out}"])  # the dead run's lock is gone with it
     assert p.returncode == 0, p.stderr[-1500:]
+
+
+def test_kernels_without_triton_is_one_line(tmp_path):
+    """`python -m forgetrain.kernels list` after the quick-start install (no triton): one line naming the extra."""
+    code = ("import sys; sys.modules['triton'] = None; sys.argv = ['kernels', 'list']; "
+            "from forgetrain.kernels.__main__ import main; sys.exit(main())")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
+                       timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert _last_line(p).startswith("error: ") and "[kernels]" in _last_line(p) and "3.6.0" in _last_line(p)

@@ -44,6 +44,17 @@ def main(argv=None) -> int:
 
     @one_line_errors
     def run() -> int:
+        try:
+            return _run()
+        except ImportError as e:  # an optional extra missing: one line naming it
+            from forgetrain.errors import ConfigError
+
+            name = getattr(e, "name", None)
+            raise ConfigError(str(e) if name is None or "pip install" in str(e) else
+                              f"python -m forgetrain.kernels needs the '{name}' package: "
+                              f"pip install -e '.[kernels]'") from None
+
+    def _run() -> int:
         from forgetrain import kernels
         from forgetrain.kernels.seal import list_lines
         from forgetrain.trace import atomic_write_json
