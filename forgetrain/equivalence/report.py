@@ -217,6 +217,7 @@ def format_verdict_table(verdicts: Sequence[Verdict] | LadderResult, summary_wid
     lines.insert(1, "  ".join("-" * x for x in w))
     lines.append(f"strictest equivalence tier passed: {strictest or 'none'}"
                  + ("" if surpassed is None else f"; surpass: {'pass' if surpassed else 'FAIL'}"))
+    lines += [f"{v.tier}: {v.summary}" for v in vs if len(v.summary) > summary_width]  # clipped above: in full
     return "\n".join(lines)
 
 

@@ -817,6 +817,16 @@ def loss_curve(ref_dirs: Sequence[str | Path], cand_dir: str | Path, cfg: Mappin
     else:
         summary = (f"{W} windows in band (max |z| {np.abs(z).max():.2f}, n={n} seeds, k={k:.2f}); late drift "
                    f"{drift:+.3g} within {limit:.3g}")
+    # How much the band can see: its median half-width relative to the loss. A band as wide as the loss passes
+    # nearly anything, so say so (a warning, not a verdict: the drift check still has its own limit).
+    med_rel = float(np.median(rel_hw))
+    warn_at = float(cfg.get("warn_band_rel", 0.10))
+    evidence["band_half_width_rel"]["median"] = med_rel
+    summary += f"; band half-width median {med_rel:.1%} of the loss"
+    if med_rel > warn_at:
+        evidence["band_warning"] = (f"the band's median half-width is {med_rel:.1%} of the loss (> {warn_at:.0%}): "
+                                    f"too wide to mean much with {n} seeds; add seeds (verify.seeds) to narrow it")
+        summary += f" -- WARNING: too wide to mean much with {n} seeds, add seeds"
     return Verdict("loss_curve", passed, summary, evidence, first)
 
 
