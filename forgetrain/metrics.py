@@ -160,12 +160,14 @@ def peak_flops(hardware_cfg) -> tuple[float, str]:
 class WandbLogger:
     """Thin W&B sink; offline unless ``logger.mode`` says otherwise. Keys carry units."""
 
-    def __init__(self, logger_cfg, run_cfg_dict: dict, out_dir: str):
+    def __init__(self, logger_cfg, run_cfg_dict: dict, out_dir: str, run_id: str | None = None):
+        """``run_id``: continue that W&B run (``resume="allow"``), as a resumed training run does with the id its
+        checkpoint stored; None starts a new run. ``self.run.id`` is what the checkpoints store."""
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(project=logger_cfg.project, mode=logger_cfg.mode, dir=out_dir,
-                              config=run_cfg_dict, reinit=True)
+                              config=run_cfg_dict, reinit=True, id=run_id, resume="allow" if run_id else None)
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)

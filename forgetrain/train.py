@@ -242,7 +242,7 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", 
     peak, peak_label = peak_flops(cfg.hardware)
     devices = env.world_size
 
-    start, existing = 0, []
+    start, existing, wandb_id, rewound = 0, [], None, None
     if t.resume:
         if checkpoint.latest(ckpt_root) is None:
             raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
@@ -268,9 +268,13 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", 
             log.warning("resuming with a config hash %s different from the checkpoint's %s",
                         config_hash(cfg), harness.get("config_hash"))
         try:
-            existing = [r for r in read_trace(trace_dir)[1] if r["step"] <= start]
+            recorded = read_trace(trace_dir)[1]
         except FileNotFoundError:
-            existing = []
+            recorded = []
+        existing = [r for r in recorded if r["step"] <= start]
+        wandb_id = harness.get("wandb_run_id")
+        if recorded and recorded[-1]["step"] > start:  # steps past the checkpoint ran before and are redone
+            rewound = (start + 1, recorded[-1]["step"])
         if env.rank == 0:
             print(f"resumed from {last} at step {start}", file=sys.stderr)
 
@@ -280,8 +284,15 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", 
             "world_size": env.world_size, "mfu_formula": mfu_formula_label(peak_label)}
     writer = TraceWriter(trace_dir, meta, existing) if env.rank == 0 else None
     wandb_logger = None
+    if env.rank == 0 and rewound:
+        print(f"resuming at step {start}: steps {rewound[0]}-{rewound[1]} ran before the stop and are run again "
+              f"(the trace keeps the new values)" + (f"; W&B run {wandb_id} already has them and keeps its first "
+                                                     f"values for those steps" if wandb_id else ""), file=sys.stderr)
     if env.rank == 0 and cfg.logger.name == "wandb":
-        wandb_logger = WandbLogger(cfg.logger, dataclasses.asdict(cfg), str(out))
+        wandb_logger = WandbLogger(cfg.logger, dataclasses.asdict(cfg), str(out), run_id=wandb_id)
+        where = f"{out / 'wandb'} (offline; upload with: wandb sync {out / 'wandb'}/offline-run-*)" \
+            if cfg.logger.mode == "offline" else wandb_logger.run.url
+        print(f"W&B run {wandb_logger.run.id} ({'resumed' if wandb_id else 'new'}): {where}", file=sys.stderr)
 
     if env.rank == 0:
         n = param_counts(cfg.model)
@@ -351,7 +362,8 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", 
                 if writer:
                     writer.flush()
                 harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
-                           "side": meta["side"], "global_batch_size": t.global_batch_size}
+                           "side": meta["side"], "global_batch_size": t.global_batch_size,
+                           "wandb_run_id": wandb_logger.run.id if wandb_logger else wandb_id}
                 checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
                 checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,23 @@ def test_default_output_dir_is_hydras_run_dir(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     runs = list((tmp_path / "outputs" / "llama_tiny_cpu").glob("*/trace/trace.jsonl"))
     assert len(runs) == 1 and len(runs[0].read_text().splitlines()) == 2
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path):
+    """A resumed run continues its W&B run (the id is stored with the checkpoint), says where it logs and how to
+    sync, and names the steps it redoes past the checkpoint."""
+    out = tmp_path / "run"
+    args = [*FAST, "train.sample_tokens=0", "train.eval_interval=0", "logger=wandb", f"train.out_dir={out}"]
+    p1 = run([*args, "train.stop_after=3"], cwd=tmp_path, timeout=600)
+    assert p1.returncode == 0, p1.stderr[-2000:]
+    m = re.search(r"W&B run (\w+) \(new\): .*wandb sync", p1.stderr)
+    assert m, p1.stderr[-2000:]
+    trace = out / "trace" / "trace.jsonl"
+    lines = trace.read_text().splitlines()
+    trace.write_text("\n".join(lines + [lines[-1].replace('"step": 3', '"step": 4')]) + "\n")  # a step past it
+    p2 = run([*args, "train.resume=true"], cwd=tmp_path, timeout=600)
+    assert p2.returncode == 0, p2.stderr[-2000:]
+    assert f"W&B run {m.group(1)} (resumed)" in p2.stderr, p2.stderr[-2000:]
+    assert "steps 4-4 ran before the stop and are run again" in p2.stderr and m.group(1) in p2.stderr
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(m.group(1)) for r in runs), runs
