@@ -85,6 +85,9 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
     for extra in ("verify", "tier", "bench", "forge", "agent"):
         obj.pop(extra, None)
     check_out_dir("train.out_dir", obj.get("train", {}).get("out_dir"))
+    for d in (obj.get("train", {}).get("out_dir"),):
+        if d and os.path.isdir(d):
+            _PREEXISTING.add(os.path.abspath(d))
     validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
@@ -129,6 +132,7 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
             return task(cfg)
         except ForgeTrainError as e:
             print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+            _remove_empty_run_dir()
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
@@ -159,7 +163,28 @@ def train_task(cfg) -> None:
 
     rc = to_run_config(cfg)
     with collective_errors(rc.parallel.timeout_s):  # a dead/hung peer rank -> one line, exit 1
-        train(rc)
+        train(rc, record=cfg)
+
+
+def _remove_empty_run_dir() -> None:
+    """After a rejected run: remove the run directory Hydra created for it, if it is still empty (a directory
+    that existed before the run is left alone)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        d = HydraConfig.get().runtime.output_dir
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return
+    d = os.path.abspath(d) if d else None
+    cwd = os.path.abspath(os.getcwd())
+    first = True
+    while d and d not in _PREEXISTING and (first or d.startswith(cwd + os.sep)) and os.path.isdir(d) \
+            and not os.listdir(d):
+        os.rmdir(d)  # and the empty parents Hydra made for it (outputs/<scenario>/), up to the working directory
+        d, first = os.path.dirname(d), False
+
+
+_PREEXISTING: set[str] = set()  # output directories that existed before this command started
 
 
 def main() -> None:

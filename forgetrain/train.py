@@ -175,21 +175,41 @@ def _lock_out_dir(out: Path, env: DistEnv):
     return fh
 
 
-def train(cfg: RunConfig, **kw) -> Path:
+def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     """Train ``cfg.scenario.name`` holding the output directory's lock; see :func:`_train` for the arguments, the
-    outputs and the errors. A second run on a directory in use raises ConfigError."""
+    outputs and the errors. A second run on a directory in use raises ConfigError. ``record``: the composed Hydra
+    config, written to ``<out>/.hydra/config.yaml`` (``config.resume.yaml`` on a resume) once the run owns
+    ``out``, so a rejected run writes nothing and a refused second run leaves the first run's record alone."""
     env: DistEnv = init_distributed(cfg.parallel)
     validate(cfg, world_size=env.world_size)
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     lock = _lock_out_dir(out, env)
     try:
-        return _train(cfg, env, out, **kw)
+        return _train(cfg, env, out, record=record, **kw)
     finally:
         if lock is not None:
+            (out / ".lock").unlink(missing_ok=True)
             lock.close()
 
 
-def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", engine_name: str | None = None,
+def _record_config(out: Path, record, resume: bool) -> None:
+    """Write the composed config (and Hydra's overrides, when under Hydra) into ``<out>/.hydra/``, atomically."""
+    from omegaconf import OmegaConf
+
+    from forgetrain.trace import atomic_write_bytes
+
+    name = "config.resume.yaml" if resume else "config.yaml"
+    atomic_write_bytes(out / ".hydra" / name, OmegaConf.to_yaml(record).encode())
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = list(HydraConfig.get().overrides.task)
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return
+    atomic_write_bytes(out / ".hydra" / name.replace("config", "overrides"), OmegaConf.to_yaml(task).encode())
+
+
+def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = "scenarios", engine_name: str | None = None,
            init_hf: dict[str, torch.Tensor] | None = None, progress: bool = True, final_params: bool = True,
            engine_cls=None, export_init: bool = False) -> Path:
     """Train ``cfg.scenario.name`` (or ``kind/engine_name``) and return the output directory.
@@ -278,6 +298,8 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str = "scenarios", 
         if env.rank == 0:
             print(f"resumed from {last} at step {start}", file=sys.stderr)
 
+    if record is not None and env.rank == 0:  # the data, engine and checkpoint all loaded: the run is on
+        _record_config(out, record, cfg.train.resume)
     meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
             "config": hashed_config(cfg),
             "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,

@@ -370,3 +370,21 @@ def test_kernels_without_triton_is_one_line(tmp_path):
                        timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
     assert _last_line(p).startswith("error: ") and "[kernels]" in _last_line(p) and "3.6.0" in _last_line(p)
+
+
+def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
+    """Errors found inside the run (here: a tokenizer larger than the model's vocabulary) leave no run directory,
+    no .hydra/ and no cli.log behind -- with train.out_dir and with Hydra's own timestamped directory; a refused
+    second run on an existing run leaves that run's recorded config untouched."""
+    out = tmp_path / "fresh"
+    p = run([*SHORT, "model.vocab_size=100", f"train.out_dir={out}"], cwd=tmp_path)
+    assert p.returncode == 2 and "exceeds model.vocab_size=100" in _last_line(p), p.stderr[-1500:]
+    assert not out.exists() and not (tmp_path / "outputs").exists()
+    p = run([*SHORT, "model.vocab_size=100"], cwd=tmp_path)
+    assert p.returncode == 2 and not (tmp_path / "outputs").exists(), sorted(tmp_path.rglob("*"))
+    done = _copy(finished, tmp_path)
+    before = (done / ".hydra" / "config.yaml").read_text()
+    p = run([*SHORT, "train.lr=1e-3", f"train.out_dir={done}"], cwd=tmp_path)  # refused: the dir holds a run
+    assert p.returncode == 2 and "already holds a run" in _last_line(p), p.stderr[-1500:]
+    assert (done / ".hydra" / "config.yaml").read_text() == before
+    assert not list(done.glob("*.log"))
