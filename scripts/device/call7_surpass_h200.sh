@@ -7,15 +7,11 @@
 #   run: bash scripts/device/call7_surpass_h200.sh   (carry [".whl"])
 set -u
 . scripts/device/setup.sh
-ts() { date +%H:%M:%S; }
-T0=$(date +%s)
-left() { echo $(( ${BUDGET:-585} - ($(date +%s) - T0) )); }
 S="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
 model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
 train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
 verify.curve_steps=${STEPS:-300} parallel.timeout_s=60"
 V="python3 -m forgetrain.verify $S"
-filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
 for s in ${SEEDS:-1234 1235 1236}; do
   echo "$(ts) == golden seed $s ($(left) s left)"
   timeout $(left) $V tier=loss_curve verify.make_golden=true "verify.seeds=[$s]" verify.out_dir=/tmp/g$s 2>&1 | filt 3

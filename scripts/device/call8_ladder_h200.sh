@@ -9,10 +9,6 @@
 #   run: PART=a bash scripts/device/call8_ladder_h200.sh ; then PART=b ...   (carry [".whl"])
 set -u
 . scripts/device/setup.sh
-ts() { date +%H:%M:%S; }
-T0=$(date +%s)
-left() { echo $(( ${BUDGET:-585} - ($(date +%s) - T0) )); }
-filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
 L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
 model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
 train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \

@@ -7,10 +7,6 @@
 #   run: PART=a bash scripts/device/call9_surpass_8b_proxy.sh ; then PART=b ...   (carry [".whl"])
 set -u
 . scripts/device/setup.sh
-ts() { date +%H:%M:%S; }
-T0=$(date +%s)
-left() { echo $(( ${BUDGET:-585} - ($(date +%s) - T0) )); }
-filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
 P="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=1 \
 train.deterministic=false hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
 [ "${PART:-a}" = a ] && SEEDS="1234 1235 1236" || SEEDS="1237 1238"

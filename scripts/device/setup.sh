@@ -11,3 +11,9 @@ import torch, triton, sys
 print(f"python {sys.version.split()[0]} torch {torch.__version__} triton {triton.__version__} "
       f"gpu {torch.cuda.get_device_name()} cuda {torch.version.cuda}")
 PY
+# Helpers for the call scripts: a timestamp, the seconds left of the call's BUDGET (default 585 s), and a filter
+# that drops warnings and blank lines and keeps the last N lines of a command's output.
+ts() { date +%H:%M:%S; }
+T0=$(date +%s)
+left() { echo $(( ${BUDGET:-585} - ($(date +%s) - T0) )); }
+filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
