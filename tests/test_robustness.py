@@ -318,6 +318,7 @@ def test_killed_launcher_leaves_no_worker(tmp_path):
            "train.global_batch_size=4", "train.lr_warmup_steps=1", "train.threads=1", "train.eval_interval=0",
            "train.sample_tokens=0", "train.save_interval=0", "train.save=false", f"train.out_dir={out}"]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
     try:
         deadline = time.time() + 240
         while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
@@ -329,9 +330,12 @@ def test_killed_launcher_leaves_no_worker(tmp_path):
         launcher.wait(10)
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive, f"workers still alive 10 s after the launcher died: {[p.pid for p in alive]}"
-    finally:
-        for c in psutil.Process().children(recursive=True):
-            c.kill()
+    finally:  # the workers too: when the test fails they are orphans, no longer children of this process
+        for c in psutil.Process().children(recursive=True) + workers:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
