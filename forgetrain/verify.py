@@ -176,6 +176,8 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
                 raise ConfigError(f"no golden at {gdir}; run with verify.regenerate=true first")
             _check_golden(gdir)
             ref = gdir
+            if _is_rank0():
+                print(f"reference: the stored golden {gdir} (not re-run)", file=sys.stderr)
         else:
             ref = run_reference(cfg, vcfg, out / "reference", steps)
             if vcfg.regenerate:
@@ -203,6 +205,8 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     gdir = curve_golden_dir(cfg, vcfg)
     if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
         refs = _curve_golden_traces(gdir, vcfg)
+        if _is_rank0():
+            print(f"reference: the stored golden {gdir}, seeds {list(vcfg.seeds)} (not re-run)", file=sys.stderr)
     else:
         refs = []
         for s in vcfg.seeds:

@@ -91,7 +91,7 @@ def test_documented_golden_command_works(tmp_path):
                         f"verify.out_dir={tmp_path / 'v'}"], cwd=tmp_path, env=env, text=True, capture_output=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "bitwise  pass" in p.stdout + p.stderr
+    assert "bitwise  pass" in p.stdout + p.stderr and "reference: the stored golden" in p.stderr
 
 
 def test_goldens_exist_with_versions():
