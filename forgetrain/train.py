@@ -367,8 +367,10 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
                     writer.flush()
                 from forgetrain.errors import DivergenceError
 
+                if bar is not None:
+                    bar.close()  # the error line goes on a line of its own, not into the bar
                 raise DivergenceError(f"loss is {res.loss} at step {step + 1}: training diverged (lower train.lr, "
-                                      f"check train.adam_eps / train.clip_grad); resume from the last checkpoint")
+                                      f"check train.adam_eps / train.clip_grad); {_resume_hint(ckpt_root, out)}")
             if bar is not None:
                 bar.update(1)
                 if (step + 1) % t.log_interval == 0:
@@ -397,9 +399,7 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
             writer.flush()
         from forgetrain.errors import Interrupted
 
-        last = checkpoint.latest(ckpt_root)
-        raise Interrupted(f"interrupted during step {step + 1}; last checkpoint: {last.name if last else 'none'} "
-                          f"(continue with train.resume=true train.out_dir={out})") from None
+        raise Interrupted(f"interrupted during step {step + 1}; {_resume_hint(ckpt_root, out)}") from None
     if bar is not None:
         bar.close()
     if writer:
@@ -436,6 +436,14 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
         wandb_logger.finish()
     env.barrier()
     return out
+
+
+def _resume_hint(ckpt_root: Path, out: Path) -> str:
+    """Where a stopped run can continue from: the last checkpoint and the command, or that there is none."""
+    last = checkpoint.latest(ckpt_root)
+    if last is None:
+        return "no checkpoint was written yet (train.save_interval), so there is nothing to resume: start again"
+    return f"last checkpoint: {last.name} (continue with train.resume=true train.out_dir={out})"
 
 
 def _print_summary(s: dict) -> None:
