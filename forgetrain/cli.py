@@ -85,21 +85,21 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
     for extra in ("verify", "tier", "bench", "forge", "agent"):
         obj.pop(extra, None)
     check_out_dir("train.out_dir", obj.get("train", {}).get("out_dir"))
-    for d in (obj.get("train", {}).get("out_dir"),):
-        if d and os.path.isdir(d):
-            _PREEXISTING.add(os.path.abspath(d))
     validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def check_out_dir(key: str, path) -> None:
     """An output directory must be creatable and writable: the nearest existing ancestor is a writable
-    directory. Checked before Hydra creates anything. Raises ConfigError naming ``key``."""
+    directory. Checked before Hydra creates anything; a directory that already exists is remembered, so that a
+    rejected run never removes it. Raises ConfigError naming ``key``."""
     from pathlib import Path
 
     from forgetrain.errors import ConfigError
 
     if not path:
         return
+    if os.path.isdir(path):  # a rejected run must not remove a directory it did not create
+        _PREEXISTING.add(os.path.abspath(path))
     p = Path(path).absolute()
     while not p.exists():
         p = p.parent

@@ -390,6 +390,10 @@ def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
     assert not out.exists() and not (tmp_path / "outputs").exists()
     p = run([*SHORT, "model.vocab_size=100"], cwd=tmp_path)
     assert p.returncode == 2 and not (tmp_path / "outputs").exists(), sorted(tmp_path.rglob("*"))
+    mine = tmp_path / "mine"  # a directory the user made beforehand stays, empty as it was
+    mine.mkdir()
+    p = run([*SHORT, "model.vocab_size=100", f"train.out_dir={mine}"], cwd=tmp_path)
+    assert p.returncode == 2 and mine.is_dir() and not list(mine.iterdir())
     done = _copy(finished, tmp_path)
     before = (done / ".hydra" / "config.yaml").read_text()
     p = run([*SHORT, "train.lr=1e-3", f"train.out_dir={done}"], cwd=tmp_path)  # refused: the dir holds a run
