@@ -155,6 +155,12 @@ class _Names(Sequence):
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
 
+    def __contains__(self, name) -> bool:
+        return name in self._names()
+
+    def index(self, name, *args) -> int:
+        return self._names().index(name, *args)
+
     def __eq__(self, other) -> bool:
         if isinstance(other, (_Names, tuple, list)):
             return self._names() == tuple(other)
