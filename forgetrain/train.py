@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -218,15 +219,79 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
     ``<out>/checkpoints`` and ``<out>/summary.json``. ``init_hf`` (HF-layout fp32 weights) replaces the engine's
     own init, e.g. the reference's exported weights; ``export_init`` writes the weights the run starts from to
     ``<out>/init.safetensors``. ``engine_cls`` bypasses the registry (tests feed mutant engines). Raises ConfigError / DataError / CheckpointError on bad input.
+
+    Phases, in order: :func:`_setup` (data, engine, initial weights), :func:`_resume` (``train.resume``: the newest
+    good checkpoint and the trace up to it), the config record, :func:`_open_sinks` (trace writer, W&B, the run's
+    banner), :func:`_loop` (the steps, checkpoints) and :func:`_finish` (final parameters, sample, summary).
     """
+    run = _setup(cfg, env, out, kind=kind, engine_name=engine_name, init_hf=init_hf, engine_cls=engine_cls,
+                 export_init=export_init, progress=progress)
+    if cfg.train.resume:
+        _resume(run)
+    if record is not None and env.rank == 0:  # the data, engine and checkpoint all loaded: the run is on
+        _record_config(out, record, cfg.train.resume)
+    _open_sinks(run)
+    _loop(run, progress)
+    _finish(run, final_params=final_params, progress=progress)
+    env.barrier()
+    return out
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the phases of one training run share: set by :func:`_setup`, then advanced by the later phases."""
+
+    cfg: RunConfig
+    env: DistEnv
+    out: Path
+    kind: str
+    name: str  # the engine's name under ``kind``
+    device: torch.device
+    data: Any  # forgetrain.data.prepare's result
+    tokenizer: Any  # loaded only when the run ends with a sample
+    train_w: Any
+    valid_w: Any
+    engine: Any
+    ga: int  # gradient-accumulation steps (micro-batches per step per data-parallel rank)
+    dp: int
+    dp_rank: int
+    tokens_per_step: int
+    peak: float  # peak FLOP/s of one device
+    peak_label: str
+    # _resume
+    start: int = 0  # steps already done
+    existing: list = dataclasses.field(default_factory=list)  # trace records kept from before the resume
+    wandb_id: str | None = None
+    rewound: tuple[int, int] | None = None  # steps past the checkpoint that ran before and are run again
+    # _open_sinks
+    meta: dict = dataclasses.field(default_factory=dict)
+    writer: TraceWriter | None = None  # rank 0 only
+    wandb_logger: Any = None
+    # _loop
+    stop: int = 0  # the step this run stops after (train.steps, or train.stop_after)
+    first_loss: float | None = None
+    val_loss: float | None = None
+
+    @property
+    def trace_dir(self) -> Path:
+        return self.out / "trace"
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+
+def _setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: str | None, init_hf, engine_cls,
+           export_init: bool, progress: bool) -> _Run:
+    """Threads and determinism, the output directory claimed, the data prepared (rank 0 first), the engine built
+    with its initial weights (exported when asked), and the batch and peak arithmetic."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     set_deterministic(cfg.train.deterministic, cfg.hardware.device)
     device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
-    trace_dir, ckpt_root = out / "trace", out / "checkpoints"
     _claim_out_dir(cfg, out, env)
 
-    from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare
+    from forgetrain.data import TokenWindows, load_tokenizer, prepare
 
     if env.rank == 0:
         data = prepare(cfg.data, progress=progress)
@@ -257,80 +322,100 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
 
     t, p = cfg.train, cfg.parallel
     ga = grad_accum_steps(cfg)
-    dp, dp_rank = p.data_parallel_size, env.rank // p.tensor_parallel_size
-    tokens_per_step = t.global_batch_size * cfg.model.seq_length
     peak, peak_label = peak_flops(cfg.hardware)
-    devices = env.world_size
+    return _Run(cfg=cfg, env=env, out=out, kind=kind, name=name, device=device, data=data, tokenizer=tokenizer,
+                train_w=train_w, valid_w=valid_w, engine=engine, ga=ga, dp=p.data_parallel_size,
+                dp_rank=env.rank // p.tensor_parallel_size, tokens_per_step=t.global_batch_size * cfg.model.seq_length,
+                peak=peak, peak_label=peak_label)
 
-    start, existing, wandb_id, rewound = 0, [], None, None
-    if t.resume:
-        if checkpoint.latest(ckpt_root) is None:
-            raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
-        state, harness, last, skipped = checkpoint.load_newest_good(
-            ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict()))
-        for why in skipped:
-            log.warning("skipping a damaged checkpoint, %s", why)
-            if env.rank == 0:
-                print(f"warning: checkpoint {why.split(':', 1)[0]} is damaged; resuming from {last.name} instead",
-                      file=sys.stderr)
-        engine.load_state_dict(state)
-        start = int(harness["step"])
-        if start > t.steps:
-            raise CheckpointError(f"the checkpoint {last} is at step {start}, beyond train.steps={t.steps}; "
-                                  f"raise train.steps to continue it")
-        if harness.get("global_batch_size", t.global_batch_size) != t.global_batch_size:
-            # Megatron-LM refuses this too: the LR schedule counts iterations, so a new batch size silently
-            # re-times warmup and decay (and the data order of every later step changes)
-            raise CheckpointError(f"the checkpoint {last} was trained with train.global_batch_size="
-                                  f"{harness['global_batch_size']}; this resume asks for {t.global_batch_size}. "
-                                  f"Resume with the same global batch")
-        if harness.get("config_hash") != config_hash(cfg):
-            log.warning("resuming with a config hash %s different from the checkpoint's %s",
-                        config_hash(cfg), harness.get("config_hash"))
-        try:
-            recorded = read_trace(trace_dir)[1]
-        except FileNotFoundError:
-            recorded = []
-        existing = [r for r in recorded if r["step"] <= start]
-        wandb_id = harness.get("wandb_run_id")
-        if recorded and recorded[-1]["step"] > start:  # steps past the checkpoint ran before and are redone
-            rewound = (start + 1, recorded[-1]["step"])
+
+def _resume(run: _Run) -> None:
+    """Load the newest good checkpoint into the engine (skipping damaged ones, with a warning) and keep the trace
+    up to it. Raises CheckpointError when there is none, or it lies past ``train.steps``, or it was trained with
+    another global batch."""
+    cfg, env, engine, t = run.cfg, run.env, run.engine, run.cfg.train
+    ckpt_root = run.ckpt_root
+    if checkpoint.latest(ckpt_root) is None:
+        raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
+    state, harness, last, skipped = checkpoint.load_newest_good(
+        ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict()))
+    for why in skipped:
+        log.warning("skipping a damaged checkpoint, %s", why)
         if env.rank == 0:
-            print(f"resumed from {last} at step {start}", file=sys.stderr)
+            print(f"warning: checkpoint {why.split(':', 1)[0]} is damaged; resuming from {last.name} instead",
+                  file=sys.stderr)
+    engine.load_state_dict(state)
+    start = int(harness["step"])
+    if start > t.steps:
+        raise CheckpointError(f"the checkpoint {last} is at step {start}, beyond train.steps={t.steps}; "
+                              f"raise train.steps to continue it")
+    if harness.get("global_batch_size", t.global_batch_size) != t.global_batch_size:
+        # Megatron-LM refuses this too: the LR schedule counts iterations, so a new batch size silently
+        # re-times warmup and decay (and the data order of every later step changes)
+        raise CheckpointError(f"the checkpoint {last} was trained with train.global_batch_size="
+                              f"{harness['global_batch_size']}; this resume asks for {t.global_batch_size}. "
+                              f"Resume with the same global batch")
+    if harness.get("config_hash") != config_hash(cfg):
+        log.warning("resuming with a config hash %s different from the checkpoint's %s",
+                    config_hash(cfg), harness.get("config_hash"))
+    try:
+        recorded = read_trace(run.trace_dir)[1]
+    except FileNotFoundError:
+        recorded = []
+    run.start = start
+    run.existing = [r for r in recorded if r["step"] <= start]
+    run.wandb_id = harness.get("wandb_run_id")
+    if recorded and recorded[-1]["step"] > start:  # steps past the checkpoint ran before and are redone
+        run.rewound = (start + 1, recorded[-1]["step"])
+    if env.rank == 0:
+        print(f"resumed from {last} at step {start}", file=sys.stderr)
 
-    if record is not None and env.rank == 0:  # the data, engine and checkpoint all loaded: the run is on
-        _record_config(out, record, cfg.train.resume)
-    meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
-            "config": hashed_config(cfg),
-            "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,
-            "world_size": env.world_size, "mfu_formula": mfu_formula_label(peak_label)}
-    writer = TraceWriter(trace_dir, meta, existing) if env.rank == 0 else None
-    wandb_logger = None
+
+def _open_sinks(run: _Run) -> None:
+    """The trace writer (rank 0, keeping the records before a resume) and W&B, and the run's banner."""
+    cfg, env, out, t, p = run.cfg, run.env, run.out, run.cfg.train, run.cfg.parallel
+    kind, name, start, wandb_id, rewound = run.kind, run.name, run.start, run.wandb_id, run.rewound
+    run.meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
+                "config": hashed_config(cfg),
+                "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,
+                "world_size": env.world_size, "mfu_formula": mfu_formula_label(run.peak_label)}
+    run.writer = TraceWriter(run.trace_dir, run.meta, run.existing) if env.rank == 0 else None
     if env.rank == 0 and rewound:
         print(f"resuming at step {start}: steps {rewound[0]}-{rewound[1]} ran before the stop and are run again "
               f"(the trace keeps the new values)" + (f"; W&B run {wandb_id} already has them and keeps its first "
                                                      f"values for those steps" if wandb_id else ""), file=sys.stderr)
     if env.rank == 0 and cfg.logger.name == "wandb":
-        wandb_logger = WandbLogger(cfg.logger, dataclasses.asdict(cfg), str(out), run_id=wandb_id)
+        wandb_logger = run.wandb_logger = WandbLogger(cfg.logger, dataclasses.asdict(cfg), str(out), run_id=wandb_id)
         where = f"{out / 'wandb'} (offline; upload with: wandb sync {out / 'wandb'}/offline-run-*)" \
             if cfg.logger.mode == "offline" else wandb_logger.run.url
         print(f"W&B run {wandb_logger.run.id} ({'resumed' if wandb_id else 'new'}): {where}", file=sys.stderr)
 
     if env.rank == 0:
         n = param_counts(cfg.model)
+        dp, ga = run.dp, run.ga
         print(f"forgetrain: {kind}/{name} | {n['total'] / 1e6:.2f}M params | DP{dp} TP{p.tensor_parallel_size} | "
               f"micro-batch {t.micro_batch_size} x grad-accum {ga} x DP {dp} = global batch {t.global_batch_size} | "
-              f"{t.precision} on {device} | out: {out}", file=sys.stderr)
+              f"{t.precision} on {run.device} | out: {out}", file=sys.stderr)
 
-    stop = min(t.steps, t.stop_after) if t.stop_after else t.steps
+
+def _loop(run: _Run, progress: bool) -> None:
+    """Steps ``start`` .. ``stop``: one engine step on this rank's micro-batches, its trace record (timings, MFU,
+    digests, step-1 module probes, evaluation), the progress bar, W&B, checkpoints. Raises DivergenceError on a
+    non-finite loss and Interrupted on Ctrl-C, each naming where the run can resume from."""
+    from forgetrain.data import eval_batches, micro_batch
+
+    cfg, env, engine, t, writer = run.cfg, run.env, run.engine, run.cfg.train, run.writer
+    device, train_w, valid_w, ga, dp, dp_rank = run.device, run.train_w, run.valid_w, run.ga, run.dp, run.dp_rank
+    out, ckpt_root, start, wandb_logger, wandb_id = run.out, run.ckpt_root, run.start, run.wandb_logger, run.wandb_id
+    tokens_per_step, devices = run.tokens_per_step, env.world_size
+    stop = run.stop = min(t.steps, t.stop_after) if t.stop_after else t.steps
     bar = None
     if env.rank == 0 and progress:
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     probe = _Probe(engine.module_probes()) if (t.digests and start == 0) else None
-    first_loss = existing[0]["loss"] if existing else None
-    val_loss = None
+    run.first_loss = run.existing[0]["loss"] if run.existing else None
     try:
         for step in range(start, stop):
             mbs = [micro_batch(train_w, step, m, dp_rank, t.micro_batch_size, dp, t.global_batch_size) for m in range(ga)]
@@ -344,7 +429,7 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
             tps = tokens_per_step / step_s
             rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
                    "tokens": (step + 1) * tokens_per_step, "step_s": step_s, "tokens_per_s": tps,
-                   **mfu_metrics(cfg.model, tps, peak, devices)}
+                   **mfu_metrics(cfg.model, tps, run.peak, devices)}
             if t.digests:
                 dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
                 dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
@@ -355,11 +440,11 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
                     writer.write_modules(probe.records)
                 probe.close()
                 probe = None
-            if first_loss is None:
-                first_loss = res.loss
+            if run.first_loss is None:
+                run.first_loss = res.loss
             if valid_w is not None and t.eval_interval and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
-                val_loss = engine.eval_loss(eval_batches(valid_w, t.eval_iters, t.micro_batch_size))
-                rec["val_loss"] = val_loss
+                run.val_loss = engine.eval_loss(eval_batches(valid_w, t.eval_iters, t.micro_batch_size))
+                rec["val_loss"] = run.val_loss
             if writer:
                 writer.append(rec)
             if not math.isfinite(res.loss):  # NaN or inf
@@ -376,8 +461,8 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
                 if (step + 1) % t.log_interval == 0:
                     post = {"loss": f"{res.loss:.4f}", "gnorm": f"{res.grad_norm:.3f}", "lr": f"{res.lr:.2e}",
                             "tok/s": f"{tps:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
-                    if val_loss is not None:
-                        post["val"] = f"{val_loss:.4f}"
+                    if run.val_loss is not None:
+                        post["val"] = f"{run.val_loss:.4f}"
                     bar.set_postfix(post, refresh=False)
             if wandb_logger:
                 wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
@@ -386,7 +471,7 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
                 if writer:
                     writer.flush()
                 harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
-                           "side": meta["side"], "global_batch_size": t.global_batch_size,
+                           "side": run.meta["side"], "global_batch_size": t.global_batch_size,
                            "wandb_run_id": wandb_logger.run.id if wandb_logger else wandb_id}
                 checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
                 checkpoint.prune(ckpt_root)
@@ -404,20 +489,27 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
         bar.close()
     if writer:
         writer.flush()
+
+
+def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:
+    """At the end of ``train.steps`` (not at ``stop_after``): the final parameters, the sample text,
+    ``summary.json``, the loss plot and the printed summary (rank 0 writes); then W&B is closed."""
+    cfg, env, engine, t, p, writer = run.cfg, run.env, run.engine, run.cfg.train, run.cfg.parallel, run.writer
+    stop, out = run.stop, run.out
     summary = {}
     # Exports and the sample are collectives for a TP or FSDP engine: every rank takes part, rank 0 writes.
     tp_collective = p.tensor_parallel_size > 1 or p.zero_stage == 3
     final_sd = engine.export_hf_weights() if stop == t.steps and final_params else None
     sample = None
-    if stop == t.steps and t.sample_tokens and kind == "scenarios" and (env.rank == 0 or tp_collective):
-        sample = _sample_text(engine, tokenizer, cfg, device)
+    if stop == t.steps and t.sample_tokens and run.kind == "scenarios" and (env.rank == 0 or tp_collective):
+        sample = _sample_text(engine, run.tokenizer, cfg, run.device)
     if env.rank == 0 and stop == t.steps:
         if final_params:
             writer.write_final_params(final_sd)
         recs = writer.records
-        summary = {"first_loss": first_loss, "last_loss": recs[-1]["loss"] if recs else None,
-                   "val_loss": val_loss, "steps": t.steps, "ln_vocab": float(torch.log(torch.tensor(
-                       float(data.vocab_size)))), "out_dir": str(out), "peak": peak_label}
+        summary = {"first_loss": run.first_loss, "last_loss": recs[-1]["loss"] if recs else None,
+                   "val_loss": run.val_loss, "steps": t.steps, "ln_vocab": float(torch.log(torch.tensor(
+                       float(run.data.vocab_size)))), "out_dir": str(out), "peak": run.peak_label}
         if recs:
             steady = recs[min(len(recs) - 1, 2):]
             summary["median_tokens_per_s"] = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
@@ -432,10 +524,8 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
             write_plots(recs, str(out / "loss.png"))
         if progress:
             _print_summary(summary)
-    if wandb_logger:
-        wandb_logger.finish()
-    env.barrier()
-    return out
+    if run.wandb_logger:
+        run.wandb_logger.finish()
 
 
 def _resume_hint(ckpt_root: Path, out: Path) -> str:

@@ -3,7 +3,8 @@
 Runs the golden reference and the forged engine on the same initial weights (the reference initialises and
 exports them in the HF layout) and the same batches, then judges the candidate's trace against the reference's
 with the requested tier. Prints a verdict table, writes ``verdict.json`` and ``loss_curves.png`` and exits 0 on a
-pass, 1 on a failure (2 on bad input).
+pass, 1 on a failure (2 on bad input). The tiers, and which runs each needs (its kind: ``pair``, ``curve`` or
+``speed``), come from :mod:`forgetrain.equivalence.registry`.
 
 * ``verify.golden=true`` compares against the stored golden reference trace (``references/goldens/<platform>/``)
   instead of re-running the reference; ``verify.regenerate=true`` re-runs the reference and stores it;
@@ -33,7 +34,6 @@ from forgetrain.config import RunConfig, to_run_config
 from forgetrain.errors import ConfigError
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "references" / "goldens"
-TIERS = ("bitwise", "tolerance", "loss_curve", "surpass")
 
 
 @dataclass
@@ -88,13 +88,11 @@ def golden_dir(cfg: RunConfig, tier_name: str) -> Path:
     return GOLDEN_ROOT / cfg.hardware.name / f"{cfg.scenario.name}-{tier_name}-{config_hash(cfg)}"
 
 
-CURVE_TIERS = ("loss_curve", "surpass")
-
-
 def curve_golden_dir(cfg: RunConfig, vcfg: VerifyConfig) -> Path:
     """The loss-curve golden of this run: ``<platform>/<scenario>-loss_curve-<hash>/seed_<N>/trace/``, the hash
     taken over the reference run's own config (``curve_steps`` steps, the LR schedule pinned) with the seed set
-    to 0, so every seed of one configuration lands in one directory. Shared by loss_curve and surpass."""
+    to 0, so every seed of one configuration lands in one directory. Shared by the curve and speed tiers
+    (loss_curve, surpass)."""
     from forgetrain.train import config_hash
 
     run = _run_cfg(cfg, Path("."), steps=vcfg.curve_steps, digests=False, seed=0)
@@ -155,17 +153,25 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
            tier_cfg: dict | None = None) -> list:
     """Run the requested tier; returns the list of Verdicts (the last one is the requested tier).
 
+    How it runs follows the tier's kind (:mod:`forgetrain.equivalence.registry`): a ``pair`` tier runs the
+    reference and the candidate for ``verify.steps`` from the same init (plus an fp32 oracle of the reference at
+    reduced precision when the tier takes one); a ``curve`` tier runs the reference once per seed in
+    ``verify.seeds`` and the candidate for ``verify.curve_steps``; a ``speed`` tier runs the curve tier it rests on,
+    then times both engines side by side, and returns both verdicts.
+
     ``engine_cls`` replaces the scenario's engine (tests feed deliberately wrong engines here).
     Raises ConfigError for an unknown tier or missing golden.
     """
     from forgetrain import equivalence as eq
+    from forgetrain.equivalence import registry
 
-    if tier_name not in TIERS:
-        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(TIERS)}")
-    _check_request(vcfg, tier_name)
+    tier = registry.find(tier_name)
+    if tier is None:
+        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(registry.TIER_ORDER)}")
+    _check_request(vcfg, tier)
     tier_cfg = _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), vcfg.reference, tier_name)
     out.mkdir(parents=True, exist_ok=True)
-    if tier_name in ("bitwise", "tolerance"):
+    if tier.kind == registry.PAIR:
         steps = vcfg.steps
         gdir = golden_dir(cfg, tier_name)
         if vcfg.make_golden:
@@ -183,24 +189,24 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             if vcfg.regenerate:
                 _store_golden(ref, gdir)
         cand = run_candidate(cfg, vcfg, out / "candidate", steps, ref / "init.safetensors", engine_cls)
-        if tier_name == "bitwise":
-            verdicts = [eq.bitwise(ref / "trace", cand / "trace", tier_cfg)]
-        else:
+        extra = {}
+        if tier.oracle:
             oracle = None
             if cfg.train.precision != "fp32":  # fp32 oracle run of the reference, same init and batches
                 fp32 = copy.deepcopy(cfg)
                 fp32.train = dataclasses.replace(fp32.train, precision="fp32")
                 oracle = run_candidate_ref_oracle(fp32, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
-            verdicts = [eq.tolerance(ref / "trace", cand / "trace", tier_cfg,
-                                     oracle_dir=oracle / "trace" if oracle else None)]
+            extra["oracle_dir"] = oracle / "trace" if oracle else None
+        verdicts = [tier.judge()(ref / "trace", cand / "trace", tier_cfg, **extra)]
         if _is_rank0():
             eq.write_report(verdicts, out, [ref / "trace"], cand / "trace")
         return verdicts
-    # loss_curve / surpass
+    # a curve tier, or a speed tier and the curve tier it rests on
+    curve = tier if tier.kind == registry.CURVE else registry.find(tier.rests_on)
     steps = vcfg.curve_steps
     if len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden may be made seed by seed
-        raise ConfigError(f"loss_curve needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
-    lc_cfg = dict(eq.load_tier("loss_curve")) if tier_name == "surpass" else tier_cfg
+        raise ConfigError(f"{curve.name} needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
+    lc_cfg = tier_cfg if curve is tier else dict(eq.load_tier(curve.name))
     vq = dataclasses.replace(vcfg, digests=False)
     gdir = curve_golden_dir(cfg, vcfg)
     if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
@@ -218,20 +224,22 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             return []
     cand = run_candidate(cfg, vq, out / "candidate", steps, None, engine_cls, seed=vcfg.seeds[0],
                          final_params=False) / "trace"
-    verdicts = [eq.loss_curve(refs, cand, lc_cfg)]
-    if tier_name == "surpass":
+    verdicts = [curve.judge()(refs, cand, lc_cfg)]
+    if tier.kind == registry.SPEED:
         from forgetrain.bench import side_by_side_step_times
 
         t_ref, t_cand = side_by_side_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
-        verdicts.append(eq.surpass(verdicts[0], t_ref, t_cand, tier_cfg))
+        verdicts.append(tier.judge()(verdicts[0], t_ref, t_cand, tier_cfg))
     if _is_rank0():
         eq.write_report(verdicts, out, refs, cand)
     return verdicts
 
 
-def _check_request(vcfg: VerifyConfig, tier_name: str) -> None:
-    """Reject, before any run, requests that cannot produce a verdict. Raises ConfigError."""
+def _check_request(vcfg: VerifyConfig, tier) -> None:
+    """Reject, before any run, requests that cannot produce a verdict (``tier``: a registry Tier). Raises
+    ConfigError."""
     from forgetrain import registry
+    from forgetrain.equivalence.registry import PAIR
 
     try:
         ref_cls = registry.load_engine_class("references", vcfg.reference)
@@ -242,9 +250,9 @@ def _check_request(vcfg: VerifyConfig, tier_name: str) -> None:
     if getattr(ref_cls, "bench_only", False):
         raise ConfigError(f"references/{vcfg.reference} is a speed baseline for bench (no per-token losses or "
                           f"digests); verify against megatron, deepspeed or torchtitan")
-    if tier_name == "bitwise" and not vcfg.digests:
-        raise ConfigError("tier=bitwise compares per-step digests; drop verify.digests=false")
-    if tier_name in ("bitwise", "tolerance") and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:
+    if tier.digests and not vcfg.digests:
+        raise ConfigError(f"tier={tier.name} compares per-step digests; drop verify.digests=false")
+    if tier.kind == PAIR and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:
         raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, verify.steps={vcfg.steps})")
 
 
@@ -341,6 +349,7 @@ def verify_task(cfg) -> None:
     from omegaconf import OmegaConf
 
     from forgetrain import equivalence as eq
+    from forgetrain.equivalence import registry
     from forgetrain.train import _out_dir
 
     obj = OmegaConf.to_container(cfg, resolve=True)
@@ -348,7 +357,7 @@ def verify_task(cfg) -> None:
     rc = to_run_config(obj)
     vcfg = VerifyConfig(**vd)
     if not isinstance(td, dict) or "name" not in td:
-        raise ConfigError("choose a tier: tier=bitwise|tolerance|loss_curve|surpass")
+        raise ConfigError(f"choose a tier: tier={'|'.join(registry.TIER_ORDER)}")
     from forgetrain.distributed import init_distributed
 
     env = init_distributed(rc.parallel)  # under torchrun: every rank runs both sides; rank 0 reports
@@ -356,7 +365,8 @@ def verify_task(cfg) -> None:
     verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
     if vcfg.make_golden:
         if env.rank == 0:
-            where = curve_golden_dir(rc, vcfg) if td["name"] in CURVE_TIERS else golden_dir(rc, td["name"])
+            pair = registry.find(td["name"]).kind == registry.PAIR
+            where = golden_dir(rc, td["name"]) if pair else curve_golden_dir(rc, vcfg)
             print(f"golden stored: {where}", file=sys.stderr)
         sys.exit(0)
     if env.rank == 0:

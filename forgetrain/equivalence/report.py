@@ -14,7 +14,9 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
-from forgetrain.equivalence.tiers import (EQUIVALENCE_TIERS, LadderResult, Verdict, describe_divergence)
+from forgetrain.equivalence import registry
+from forgetrain.equivalence.ladder import LadderResult, summarize
+from forgetrain.equivalence.verdict import Verdict, describe_divergence
 from forgetrain.trace import atomic_write_bytes, atomic_write_json, read_trace
 
 REPORT_SCHEMA = 1
@@ -48,9 +50,7 @@ def _as_list(verdicts: Sequence[Verdict] | LadderResult) -> tuple[list[Verdict],
     if isinstance(verdicts, LadderResult):
         return list(verdicts.verdicts), verdicts.strictest_passed, verdicts.surpassed
     vs = list(verdicts)
-    strictest = next((v.tier for v in vs if v.tier in EQUIVALENCE_TIERS and v.passed), None)
-    sv = next((v for v in vs if v.tier == "surpass"), None)
-    return vs, strictest, None if sv is None else sv.passed
+    return (vs, *summarize(vs))
 
 
 def _paths(ref_dirs: Any) -> list[str]:
@@ -94,7 +94,8 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
     refs = [(d, c) for d, c in refs if c is not None]
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    lc = next((v for v in verdicts if v.tier == "loss_curve" and v.evidence.get("windows")), None)
+    curve_tiers = registry.names(registry.CURVE)
+    lc = next((v for v in verdicts if v.tier in curve_tiers and v.evidence.get("windows")), None)
     windows = lc.evidence["windows"] if lc is not None else []
     for j, w in enumerate(windows):  # the band constrains WINDOW MEANS: one box per window, the mean as a mark
         s0, s1 = w["steps"]

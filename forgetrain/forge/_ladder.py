@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-TIER_ORDER = ("bitwise", "tolerance", "loss_curve", "surpass")
+from forgetrain.equivalence.registry import TIER_ORDER  # the one tier order (a live view of the registry)
 
 
 def tiers_to_try(ladder_from: str, target: str) -> list[str]:

@@ -1,0 +1,99 @@
+"""The surpass tier: an equivalence verdict passed, and the candidate's throughput beats the reference's by more
+than the measured noise (docs/design.md, "The tiers"; the rule and its sources: ``conf/tier/surpass.yaml``).
+Not an equivalence level itself: :mod:`forgetrain.equivalence.registry` lists it as a ``speed`` tier.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from forgetrain.equivalence.registry import EQUIVALENCE_TIERS
+from forgetrain.equivalence.verdict import Verdict, _tier_cfg
+
+def _timings(x: Sequence[float], what: str, discard: int) -> np.ndarray:
+    a = np.asarray(list(x), dtype=np.float64)[discard:]
+    if a.ndim != 1 or not np.all(np.isfinite(a)) or np.any(a <= 0):
+        raise ValueError(f"{what}: step times must be a flat list of finite positive seconds")
+    return a
+
+
+def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_cand: Sequence[float],
+            cfg: Mapping | None = None) -> Verdict:
+    """Surpass tier: equivalence holds and the candidate is faster by more than the measured noise.
+
+    Inputs: ``loss_curve_verdict``, the equivalence verdict the speed claim rests on (normally
+    ``loss_curve``'s; a verdict of any other equivalence tier, e.g. ``bitwise`` or ``tolerance``, over the same run
+    is accepted and recorded);
+    ``timings_ref`` / ``timings_cand``, per-step wall seconds of the same work per step, measured side by side,
+    interleaved A/B, warm; ``cfg`` overrides ``conf/tier/surpass.yaml``.
+
+    Rule (sources in the yaml): speedup ``S = median(ref) / median(cand)`` (a throughput ratio); ``noise =
+    max(S - q_lo(S*), S z se)`` where ``S*`` are seeded percentile-bootstrap resamples of the speedup and
+    ``se = sqrt(se_ref^2 + se_cand^2)``, ``se = 1.2533 (IQR / 1.349) / (median sqrt(n))`` (large-sample
+    standard error of a median, relative); pass iff the equivalence verdict passed and ``S > 1 +
+    min_speedup_margin + noise``. Fails (verdict) with fewer than ``min_samples`` timings on either side.
+
+    Evidence: medians (s), speedup, noise (both estimates), the bootstrap interval, relative IQRs, n per side,
+    and the paired median ratio when both lists have equal length (information only).
+
+    Raises ValueError when the verdict is not an equivalence verdict (its tier is not in
+    :data:`forgetrain.equivalence.registry.EQUIVALENCE_TIERS`), or timings are not finite positive numbers.
+    """
+    cfg = _tier_cfg("surpass", cfg)
+    if not isinstance(loss_curve_verdict, Verdict) or loss_curve_verdict.tier not in EQUIVALENCE_TIERS:
+        raise ValueError(f"surpass needs an equivalence Verdict (one of {', '.join(reversed(EQUIVALENCE_TIERS))})")
+    discard = int(cfg["discard_first"])
+    a = _timings(timings_ref, "timings_ref", discard)
+    b = _timings(timings_cand, "timings_cand", discard)
+    evidence: dict[str, Any] = {"equivalence_tier": loss_curve_verdict.tier,
+                                "equivalence_passed": loss_curve_verdict.passed,
+                                "n_ref": int(a.size), "n_cand": int(b.size), "config": cfg}
+    if min(a.size, b.size) < int(cfg["min_samples"]):
+        reason = f"too few timings (ref {a.size}, cand {b.size}); need >= {cfg['min_samples']} per side"
+        evidence["reason"] = reason
+        return Verdict("surpass", False, reason, evidence, None)
+
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    speedup = med_a / med_b
+    conf = float(cfg["confidence"])
+    rng = np.random.default_rng(int(cfg["bootstrap_seed"]))
+    B = int(cfg["bootstrap_resamples"])
+    boot_a = np.median(a[rng.integers(0, a.size, size=(B, a.size))], axis=1)
+    boot_b = np.median(b[rng.integers(0, b.size, size=(B, b.size))], axis=1)
+    boot = boot_a / boot_b
+    lo, hi = (float(q) for q in np.quantile(boot, [(1 - conf) / 2, (1 + conf) / 2]))
+    noise_boot = max(0.0, speedup - lo)
+
+    def rel_se(x: np.ndarray, med: float) -> tuple[float, float]:
+        iqr = float(np.subtract(*np.percentile(x, [75, 25])))
+        return iqr / med, math.sqrt(math.pi / 2) * (iqr / 1.349) / (med * math.sqrt(x.size))
+
+    riqr_a, se_a = rel_se(a, med_a)
+    riqr_b, se_b = rel_se(b, med_b)
+    z = statistics.NormalDist().inv_cdf((1 + conf) / 2)
+    noise_asym = speedup * z * math.sqrt(se_a ** 2 + se_b ** 2)
+    noise = max(noise_boot, noise_asym)
+    margin = float(cfg["min_speedup_margin"])
+    needed = 1.0 + margin + noise
+    fast = speedup > needed
+    passed = bool(loss_curve_verdict.passed and fast)
+    evidence.update({
+        "median_ref_step_s": med_a, "median_cand_step_s": med_b, "speedup": speedup,
+        "noise": noise, "noise_bootstrap": noise_boot, "noise_asymptotic": noise_asym,
+        "bootstrap_ci": [lo, hi], "confidence": conf, "required_speedup": needed,
+        "rel_iqr_ref": riqr_a, "rel_iqr_cand": riqr_b, "faster_beyond_noise": fast,
+    })
+    if a.size == b.size:
+        evidence["paired_median_ratio"] = float(np.median(a / b))
+    speed = f"speedup {speedup:.3f}x (needs > {needed:.3f}x: noise {noise:.3f}, n={a.size}/{b.size})"
+    if not loss_curve_verdict.passed:
+        summary = f"{loss_curve_verdict.tier} tier failed, so no speed claim counts; {speed}"
+    elif not fast:
+        summary = f"not faster beyond noise: {speed}"
+    else:
+        summary = f"{loss_curve_verdict.tier} holds and {speed}"
+    return Verdict("surpass", passed, summary, evidence, None)
