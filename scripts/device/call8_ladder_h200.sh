@@ -5,6 +5,9 @@
 #           SDPA only: no compile, torch CE, torch AdamW) at loss_curve.                          (~450 s)
 #   PART=b: the fast base + torch.compile at loss_curve; then the tolerance golden (h1024 x 4 layers, 8 steps,
 #           bf16, deterministic) and every tolerance-declared switch on top of the fast base.     (~350 s)
+#   PART=c: is the forged engines' late offset (+0.10..+0.12 nats above the 5-seed mean, one candidate seed) a
+#           property of the forged init or one draw? The fast default from candidate seeds 1235, 1236, 1237 (the
+#           candidate takes verify.seeds[0]; the golden's 5 seeds form the band each time).           (~200 s)
 # Brings back every verdict JSON as one tar (the 8-file limit) and the golden seeds.
 #   run: PART=a bash scripts/device/call8_ladder_h200.sh ; then PART=b ...   (carry [".whl"])
 set -u
@@ -39,6 +42,11 @@ if [ "${PART:-a}" = a ]; then
   done
   judge fast_default_5seeds $L tier=surpass verify.golden=true $FIVE
   judge fast_base $L tier=loss_curve verify.golden=true $FIVE $BASE
+elif [ "${PART:-a}" = c ]; then
+  for c in 1235 1236 1237; do
+    rest=$(echo 1234 1235 1236 1237 1238 | tr ' ' '\n' | grep -v "^$c$" | paste -sd, -)
+    judge fast_default_cand$c $L tier=loss_curve verify.golden=true "verify.seeds=[$c,$rest]"
+  done
 else
   judge fast_compile $L tier=loss_curve verify.golden=true $FIVE $BASE engine.compile=true
   echo "$(ts) == tolerance golden ($(left) s left)"
