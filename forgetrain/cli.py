@@ -137,11 +137,34 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except MemoryError as e:  # torch.OutOfMemoryError is not one; see _out_of_memory_line
+            print(f"error: out of host memory: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+        except RuntimeError as e:
+            line = _out_of_memory_line(e)
+            if line is None:
+                raise
+            print(line, file=sys.stderr, flush=True)
+            _remove_empty_run_dir()
+            sys.exit(1)
         finally:
             _destroy_process_groups()
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     _main()
+
+
+def _out_of_memory_line(e: BaseException) -> str | None:
+    """The one ``error:`` line for a device out-of-memory error (``torch.OutOfMemoryError``, a RuntimeError),
+    with the allocator's own figures and what to change; None for any other error."""
+    import torch
+
+    if not isinstance(e, torch.OutOfMemoryError):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+    first = first.split(" See documentation")[0].split(" If reserved but unallocated")[0].rstrip()
+    return (f"error: out of GPU memory ({first}); lower train.micro_batch_size (gradient accumulation keeps the "
+            f"global batch), the model size or train.seq_length")
 
 
 def _destroy_process_groups() -> None:
