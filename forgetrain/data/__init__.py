@@ -2,12 +2,12 @@
 
 * :func:`prepare` -- ``DataConfig`` -> :class:`PreparedData` (train/valid prefixes, tokenizer, token counts).
 * :class:`TokenWindows`, :func:`micro_batch`, :func:`eval_batches` -- samples in Megatron's pretraining order.
-* :func:`load_tokenizer`, :func:`encode`, :func:`decode` -- HF ``tokenizers`` helpers.
+* :class:`Tokenizer`, :func:`load_tokenizer` -- the tokenizer protocol (HF ``tokenizers`` or SentencePiece).
 """
 
-from forgetrain.data.loader import (EOD_TOKEN, TokenWindows, decode, encode, eod_id, eval_batches, inspect_indexed,
-                                    load_tokenizer, micro_batch)
+from forgetrain.data.loader import TokenWindows, eval_batches, inspect_indexed, micro_batch
 from forgetrain.data.prepare import PreparedData, default_cache_dir, prepare
+from forgetrain.data.tokenizer import EOD_TOKEN, Tokenizer, load_tokenizer
 
-__all__ = ["EOD_TOKEN", "PreparedData", "TokenWindows", "decode", "default_cache_dir", "encode", "eod_id",
-           "eval_batches", "inspect_indexed", "load_tokenizer", "micro_batch", "prepare"]
+__all__ = ["EOD_TOKEN", "PreparedData", "TokenWindows", "Tokenizer", "default_cache_dir", "eval_batches",
+           "inspect_indexed", "load_tokenizer", "micro_batch", "prepare"]

@@ -1,4 +1,4 @@
-"""Reading side of the data pipeline: tokenizer helpers, indexed-dataset validation and the sample order.
+"""Reading side of the data pipeline: indexed-dataset validation and the sample order.
 
 A dataset is a Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``) whose documents each end with the EOD
 token. :class:`TokenWindows` concatenates every document in stored order into one token stream and cuts it into
@@ -23,52 +23,10 @@ import torch
 
 from forgetrain.errors import DataError
 
-EOD_TOKEN = "<|endoftext|>"
-# Tried in order when looking for the end-of-document token of a user-supplied tokenizer.
-EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
-
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER = 34  # magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
 # Megatron's DType codes that can hold token ids (6 = float64 and 7 = float32 cannot).
 _TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
-
-
-# ----------------------------------------------------------------------------------------------- tokenizer
-def load_tokenizer(path: str | os.PathLike):
-    """Load an HF ``tokenizer.json``. Returns a ``tokenizers.Tokenizer``.
-
-    Raises DataError when the file is missing or is not a valid tokenizer.
-    """
-    from tokenizers import Tokenizer
-
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"tokenizer '{path}' not found")
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise DataError(f"tokenizer '{path}' is not a valid HF tokenizer.json: {_first_line(e)}") from None
-
-
-def encode(tok, text: str) -> list[int]:
-    """Token ids of ``text`` (no BOS/EOS or other post-processor tokens added)."""
-    return tok.encode(text, add_special_tokens=False).ids
-
-
-def decode(tok, ids, skip_special: bool = False) -> str:
-    """Text of ``ids`` (a list, 1-D array or 1-D tensor of token ids). Special tokens (EOD) are kept by default."""
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist()
-    return tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
-
-def eod_id(tok, where: str = "tokenizer") -> int:
-    """Id of the end-of-document token (``<|endoftext|>`` or a common equivalent). Raises DataError if none."""
-    for t in EOD_CANDIDATES:
-        i = tok.token_to_id(t)
-        if i is not None:
-            return i
-    raise DataError(f"{where} has no end-of-document token (looked for {', '.join(EOD_CANDIDATES)})")
 
 
 # ----------------------------------------------------------------------------------------- indexed dataset

