@@ -1,6 +1,7 @@
 """Gradient accumulation fusion of the fast Hopper engine (``engine.grad_accum_fusion``, scenarios/llama1b_h200/
 wgrad.py) on CPU: the GEMM-path probe, the fp32 main_grad against the unfused path's (eager and compiled), the
-switch's validation, and DP=2 (DDP and ZeRO-1) against the Megatron-core reference at the tolerance tier.
+switch's validation, bf16 against Megatron-core and DP=2 (DDP and ZeRO-1, fp32) against Megatron-core's DP=2, at
+the tolerance tier.
 Its tolerance verdict at DP=1 and the rejection of wrong accumulations are in tests/test_fast_tiers.py."""
 
 from __future__ import annotations
@@ -142,6 +143,22 @@ def test_a_stray_autograd_grad_on_a_fused_weight_is_an_error():
 def test_bench_info_names_the_path():
     assert _engine(True, "torch", precision="bf16").bench_info == {"grad_accum_fusion": "fp32_upcast"}
     assert _engine(False, "torch").bench_info == {"grad_accum_fusion": None}
+
+
+def test_fused_bf16_passes_tolerance_vs_reference(tmp_path):
+    """bf16 (bf16 weights, fp32 main weights), where fusion changes the arithmetic (no bf16 rounding of each
+    micro-batch's weight gradient): the fused fast engine with the chunked LM-head CE against Megatron-core at
+    the tolerance tier (llama_micro, micro-batch 2 x grad-accum 2, 4 steps)."""
+    from forgetrain.verify import VerifyConfig, run_candidate, run_reference
+
+    c = _cfg(precision="bf16")
+    ref = run_reference(c, VerifyConfig(steps=4), tmp_path / "ref", 4)
+    fused = dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24,
+                                                        grad_accum_fusion=True),
+                                kernels=KernelsConfig(cross_entropy="chunked"))
+    cand = run_candidate(fused, VerifyConfig(steps=4), tmp_path / "cand", 4, ref / "init.safetensors", Hopper)
+    v = eq.tolerance(ref / "trace", cand / "trace", eq.load_tier("tolerance"))
+    assert v.passed, v.summary
 
 
 # ------------------------------------------------------------------------------------------- the switch itself
