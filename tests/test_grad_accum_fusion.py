@@ -140,6 +140,17 @@ def test_a_stray_autograd_grad_on_a_fused_weight_is_an_error():
         eng.train_step([torch.randint(0, 256, (2, 33))])
 
 
+def test_triton_ce_keeps_the_lm_head_on_autograd():
+    """``kernels.cross_entropy=triton`` computes the LM head's dW inside its kernel: that weight is not routed
+    (its .grad is added as before), every other matrix is."""
+    c = _cfg()
+    c = dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, grad_accum_fusion=True),
+                            kernels=KernelsConfig(cross_entropy="triton"))
+    eng = Hopper(c, "cpu")
+    assert "output_layer.weight" not in eng._fused and "embedding.weight" in eng._fused
+    assert len(eng._fused) == 1 + 4 * c.model.num_layers  # the embedding and four matrices per block
+
+
 def test_bench_info_names_the_path():
     assert _engine(True, "torch", precision="bf16").bench_info == {"grad_accum_fusion": "fp32_upcast"}
     assert _engine(False, "torch").bench_info == {"grad_accum_fusion": None}
