@@ -281,9 +281,16 @@ def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int,
             if device.type == "cuda":
                 mem[name] = max(mem.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
     times["_mem_gib"] = mem  # type: ignore[assignment]
+    times["_info"] = {name: _engine_info(eng) for name, eng in sides.items()}  # type: ignore[assignment]
     for name, eng in sides.items():
         _profile_side(times, name, eng, batches[-1], device, profile_dir)
     return times
+
+
+def _engine_info(eng) -> dict | None:
+    """What an engine says about how it ran (its optional ``bench_info`` dict, e.g. the forged Hopper engine's
+    gradient-accumulation GEMM path); stored under "engine_info" in bench.json."""
+    return getattr(eng, "bench_info", None)
 
 
 def _bytes_per_engine(cfg: RunConfig) -> float:
@@ -324,6 +331,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
             eng.load_hf_weights(init)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        times.setdefault("_info", {})[name] = _engine_info(eng)
         out, t_first = [], 0.0
         for i in range(warmup + steps):
             with _Timer(device) as tm:
@@ -509,6 +517,9 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
     if warning:
         print(warning)
     rows = _report("headline", rc, b, mode, times)
+    for name, info in times.get("_info", {}).items():
+        if info:
+            print(f"engine info {name}: {info}")
     rows_single = _report("single micro-batch", single_cfg, b, *single) if single else None
     if b.single_micro_batch and not single:
         print("single micro-batch: the headline is one micro-batch per step already (not timed twice)")
@@ -519,6 +530,7 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
                                            "oom": times.get("_oom", []),
                                            "oom_single_micro_batch": single[1].get("_oom", []) if single else [],
                                            "profile": times.get("_profile"),
+                                           "engine_info": times.get("_info"),
                                            "forged_blocks_s": times.get("_forged_blocks"),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})

@@ -156,6 +156,9 @@ class EngineOptions:
     compile: bool = False  # torch.compile each transformer block (fast mode)
     attention_backend: str = "cudnn"  # fast mode SDPA preference on CUDA: cudnn | default
     ce_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk (kernels.cross_entropy=chunked|triton)
+    # fast mode: weight-gradient GEMMs write/accumulate straight into the fp32 main_grad (Megatron's gradient
+    # accumulation fusion); no bf16 .grad and no separate add per micro-batch. Tolerance tier (optimisations.yaml)
+    grad_accum_fusion: bool = False
 
 
 @dataclass
@@ -365,6 +368,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
             raise ConfigError(f"kernels.{op} must be one of {'|'.join(allowed)}, got '{getattr(k, op)}'")
     if cfg.engine.mode not in ("exact", "fast"):
         raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
+    if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
+        raise ConfigError("engine.grad_accum_fusion=true needs engine.mode=fast (exact mode is the bitwise "
+                          "Megatron mirror: its grads stay bf16 .grad added into main_grad)")
     if cfg.engine.ce_chunk_tokens is not None and cfg.engine.ce_chunk_tokens <= 0:
         raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
     if cfg.logger.name not in ("none", "wandb"):

@@ -85,3 +85,9 @@ def test_layout_must_match_world_size():
 def test_unknown_key_rejected_by_schema():
     with pytest.raises(Exception, match="foo"):
         _compose(overrides=["train.foo=1"])
+
+
+def test_grad_accum_fusion_is_a_fast_mode_switch():
+    assert "engine.grad_accum_fusion=true needs engine.mode=fast" in _bad(engine__grad_accum_fusion=True)
+    rc = to_run_config(_compose(overrides=["engine.mode=fast", "engine.grad_accum_fusion=true"]))
+    assert validate(rc).engine.grad_accum_fusion is True

@@ -7,6 +7,8 @@ switch is *measured* on CPU in fp32 (llama_micro, micro-batch 2 x grad-accum 2, 
 reference's initial weights) and must pass the tolerance tier (conf/tier/tolerance.yaml), which implies every
 declared tier. Triton kernels run under the CPU interpreter, each switch in its own process (Triton 3.6's
 interpreter keeps state between kernels; ``TRITON_INTERPRET=1`` must be set before megatron imports triton).
+Gradient accumulation fusion (``engine.grad_accum_fusion``) is judged with both LM-head paths (chunked CE, whose
+dW is formed in the forward, and the plain head); two wrong accumulations of it must be rejected.
 
 The GPU side of the same record (bf16, at scenario shapes) needs the device and is not run here.
 """
@@ -37,24 +39,34 @@ SWITCHES = {  # name -> (kernels.* overrides, the optimisations.yaml entries swi
     "triton_rope": ({"rope": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
     "triton_ce": ({"cross_entropy": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
     "triton_adamw": ({"adamw": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
+    "grad_accum_fusion": ({"cross_entropy": "chunked"}, ["batch_first_layout", "sdpa_attention",
+                                                         "chunked_lm_head_cross_entropy", "grad_accum_fusion"]),
+    "grad_accum_fusion_torch_ce": ({"cross_entropy": "torch"}, ["batch_first_layout", "sdpa_attention",
+                                                                "grad_accum_fusion"]),
+}
+ENGINE = {  # name -> engine.* overrides beyond fast mode, for the switches that are engine options
+    "grad_accum_fusion": {"grad_accum_fusion": True},
+    "grad_accum_fusion_torch_ce": {"grad_accum_fusion": True},
 }
 LADDER = ["bitwise", "tolerance", "loss_curve", "surpass"]  # strictest first
 
 
-def fast_cfg(kernels: dict, **model):
+def fast_cfg(kernels: dict, engine: dict | None = None, **model):
     c = _cfg()
     if model:
         c = dataclasses.replace(c, model=dataclasses.replace(c.model, **model))
-    return dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24),
+    return dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24,
+                                                       **(engine or {})),
                                kernels=KernelsConfig(**kernels))
 
 
-def run_switch(name: str, ref: str, out: str, **model) -> None:
-    """Train the fast Hopper engine with switch ``name`` from ``ref``'s init for STEPS steps into ``out``."""
+def run_switch(name: str, ref: str, out: str, engine_cls=None, **model) -> None:
+    """Train the fast Hopper engine (or ``engine_cls``) with switch ``name`` from ``ref``'s init for STEPS steps
+    into ``out``."""
     from scenarios.llama1b_h200.engine import Engine as Hopper
 
-    run_candidate(fast_cfg(SWITCHES[name][0], **model), VerifyConfig(steps=STEPS), Path(out), STEPS,
-                  Path(ref) / "init.safetensors", Hopper)
+    run_candidate(fast_cfg(SWITCHES[name][0], ENGINE.get(name), **model), VerifyConfig(steps=STEPS), Path(out),
+                  STEPS, Path(ref) / "init.safetensors", engine_cls or Hopper)
 
 
 def declared(entries: list[str]) -> str:
@@ -100,3 +112,28 @@ def test_switch_gate_rejects_a_wrong_fast_engine(ref, tmp_path):
     v = eq.tolerance(ref / "trace", cand / "trace", eq.load_tier("tolerance"))
     assert not v.passed, v.summary
     assert v.first_divergence is not None and v.first_divergence["step"] == 1, v.first_divergence
+
+
+def _wrong_accumulation(kind: str):
+    """The Hopper engine with a wrong gradient accumulation fusion: ``forgets_overwrite`` never overwrites
+    main_grad on the first micro-batch (the last step's gradient leaks into this one); ``unscaled_head`` forms the
+    LM head's forward-time dW without the 1 / n of ``(loss / n).backward()``."""
+    from scenarios.llama1b_h200.engine import Engine as Hopper
+
+    change = {"forgets_overwrite": {"first": False}, "unscaled_head": {"scale": 1.0}}[kind]
+
+    class Wrong(Hopper):
+        def _accum(self, i, n):
+            return dataclasses.replace(super()._accum(i, n), **change)
+
+    return Wrong
+
+
+@pytest.mark.parametrize("kind,step", [("forgets_overwrite", 2), ("unscaled_head", 1)])
+def test_tolerance_rejects_a_wrong_grad_accumulation(kind, step, ref, tmp_path):
+    """Each wrong accumulation is rejected, at the first step its gradient is wrong (step 1 starts from a zero
+    main_grad, so a missing overwrite shows from step 2)."""
+    run_switch("grad_accum_fusion", str(ref), str(tmp_path / kind), engine_cls=_wrong_accumulation(kind))
+    v = eq.tolerance(ref / "trace", tmp_path / kind / "trace", eq.load_tier("tolerance"))
+    assert not v.passed, v.summary
+    assert v.first_divergence is not None and v.first_divergence["step"] == step, v.first_divergence

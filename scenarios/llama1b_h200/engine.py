@@ -10,7 +10,8 @@ Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier i
   clipping arithmetic. Target: **bitwise** vs the Megatron-core reference in deterministic mode.
 * ``fast`` -- ``fast.FastLlama``: batch-first, SDPA attention, chunked LM-head cross-entropy, optional
   ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
-  Target: **loss-curve**, then **surpass**.
+  Target: **loss-curve**, then **surpass**. ``engine.grad_accum_fusion=true`` (fast mode only) sends the weight
+  gradients of the linear layers, LM head and embedding straight into the fp32 ``main_grad`` (``wgrad.py``).
 
 Data parallelism (``parallel.data_parallel_size > 1``, under torchrun): the fp32 ``main_grad`` tensors are views
 of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration order, one
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from forgetrain.engine import StepResult
 from forgetrain.errors import ConfigError
 from forgetrain.schedule import lr_for_step
+from scenarios.llama1b_h200.wgrad import WGradAccum, probe_path
 from scenarios.llama_tiny_cpu.engine import Engine as _ExactCPUEngine
 from scenarios.llama_tiny_cpu.model import TP1, Llama
 
@@ -60,6 +62,12 @@ class Engine(_ExactCPUEngine):
             else:
                 self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic)
         self._last_grads = None
+        # Gradient accumulation fusion: the GEMM path (probed once on CUDA for bf16) and the weights it routes.
+        self.fusion = self.fast and self.opts.grad_accum_fusion
+        self.grad_accum_path = None
+        if self.fusion:
+            self.grad_accum_path = probe_path(self.device)[0] if self.bf16 else "fp32_upcast"  # fp32: one addmm_
+        self._fused: list[str] = []
         self.init_weights()
 
     # ------------------------------------------------------------------ weights
@@ -84,6 +92,13 @@ class Engine(_ExactCPUEngine):
             self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
             self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
                                for k, v in self.main.items()}
+        if self.fusion:  # under DP these are views of the flat buffer: the GEMMs write into it directly
+            self._fused = self.model.attach_main_grad(self.main_grad)
+
+    @property
+    def bench_info(self) -> dict:
+        """What ``forgetrain.bench`` records about this engine: the gradient-accumulation path (None: unfused)."""
+        return {"grad_accum_fusion": self.grad_accum_path}
 
     def _setup_dp_buffer(self) -> None:
         """DP > 1: ``main_grad[k]`` become views of one flat fp32 buffer in Megatron DDP's layout (reverse
@@ -133,14 +148,22 @@ class Engine(_ExactCPUEngine):
         losses, per_token = [], []
         if self.ddp is not None:
             self.ddp.new_step()
+        if self._fused:  # the fused weights' GEMMs wrote main_grad themselves; the others (norms) come from .grad
+            fused = set(self._fused)
+            keys = [k for k in keys if k not in fused]
         for i, mb in enumerate(micro_batches):
             mb = self._check(mb)
-            if self.fast:
+            if self.fusion:  # first micro-batch: the GEMMs overwrite main_grad (beta 0), then accumulate
+                loss, tok = self.model(mb[:, :-1], mb[:, 1:], self._accum(i, n))
+            elif self.fast:
                 loss, tok = self.model(mb[:, :-1], mb[:, 1:])
             else:
                 tok = self.model(mb[:, :-1], mb[:, 1:])
                 loss = tok.mean()
             (loss / n).backward()
+            stray = [k for k in self._fused if named[k].grad is not None]
+            if stray:
+                raise RuntimeError(f"grad_accum_fusion: fused weights got an autograd .grad as well: {stray}")
             # Megatron's DDP hook: main_grad (zeroed) += grad, fp32 += bf16/fp32, then drop the model grad.
             # 0 + g == g exactly (up to the sign of zero), so the first micro-batch copies instead: one pass less.
             if i == 0:
@@ -167,6 +190,11 @@ class Engine(_ExactCPUEngine):
             loss_mean = loss_mean[0] / self.dp_size
         return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float())
+
+    def _accum(self, i: int, n: int) -> WGradAccum:
+        """Micro-batch ``i`` of ``n``: overwrite main_grad on the first, and the loss is backpropagated as loss / n
+        (the scale the LM head's forward-time dW needs)."""
+        return WGradAccum(first=i == 0, scale=1.0 / n, path=self.grad_accum_path)
 
     @property
     def zero1(self) -> bool:

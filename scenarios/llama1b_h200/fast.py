@@ -8,7 +8,9 @@ departure from the exact path changes reduction order, so this model targets the
 * ``F.scaled_dot_product_attention`` (cuDNN / flash backends, causal, GQA without repeating K/V);
 * ``F.linear`` everywhere (cuBLAS picks its own algorithm per shape);
 * cross-entropy fused with the LM head and chunked over tokens (``kernels.cross_entropy=chunked|triton``):
-  the ``[tokens, vocab]`` logits never exist whole, and the backward of each chunk is computed in the forward.
+  the ``[tokens, vocab]`` logits never exist whole, and the backward of each chunk is computed in the forward;
+* with ``engine.grad_accum_fusion`` the weight gradients of the linear layers, the LM head and the embedding go
+  straight into the engine's fp32 ``main_grad`` (``wgrad.py``; tolerance tier).
 
 Shapes: b micro-batch, s sequence, h hidden, d head dim, V vocab.
 """
@@ -18,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from scenarios.llama1b_h200 import wgrad
+from scenarios.llama1b_h200.wgrad import WGradAccum
 
 
 def _rope_cos_sin(s: int, d: int, base: float, device, dtype):
@@ -69,13 +74,19 @@ class FastBlock(nn.Module):
         self.mlp.fc2 = nn.Parameter(torch.empty(cfg.hidden_size, cfg.ffn_hidden_size))
         self.kernels = kernels
         self.eps = cfg.norm_epsilon
+        self.main_grad: dict[str, torch.Tensor] = {}  # FastLlama.attach_main_grad: name -> fp32 [out, in]
 
     def _norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope32=None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, name: str, w: torch.Tensor, acc: WGradAccum | None) -> torch.Tensor:
+        return wgrad.linear(x, w, self.main_grad.get(name), acc)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope32=None,
+                acc: WGradAccum | None = None) -> torch.Tensor:
         """``x [b, s, h]``; ``cos``/``sin`` ``[1, s, 1, d]`` in x's dtype; ``rope32`` fp32 ``[s, d]`` tables for
-        the Triton RoPE kernel. Per-op kernels follow ``kernels.*`` (torch | triton)."""
+        the Triton RoPE kernel. Per-op kernels follow ``kernels.*`` (torch | triton). With ``acc`` the four
+        weight gradients accumulate into ``self.main_grad`` (gradient accumulation fusion)."""
         b, s, _ = x.shape
         qpg = self.nq // self.nkv
         k_ = self.kernels
@@ -85,7 +96,7 @@ class FastBlock(nn.Module):
             h, _ = rmsnorm_residual(x, None, self.input_norm.weight, self.eps)
         else:
             h = self._norm(x, self.input_norm.weight)
-        mixed = F.linear(h, self.attn.qkv).view(b, s, self.nkv, qpg + 2, self.d)
+        mixed = self._linear(h, "attn.qkv", self.attn.qkv, acc).view(b, s, self.nkv, qpg + 2, self.d)
         q = mixed[:, :, :, :qpg].reshape(b, s, self.nq, self.d)
         k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]
         if k_.rope == "triton":
@@ -96,20 +107,20 @@ class FastBlock(nn.Module):
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True, enable_gqa=qpg > 1)
-        attn = F.linear(o.transpose(1, 2).reshape(b, s, self.nq * self.d), self.attn.proj)
+        attn = self._linear(o.transpose(1, 2).reshape(b, s, self.nq * self.d), "attn.proj", self.attn.proj, acc)
         if k_.rmsnorm == "triton":  # fused: x = x + attn; h = rmsnorm(x)
             h, x = rmsnorm_residual(attn, x, self.pre_mlp_norm.weight, self.eps)
         else:
             x = x + attn
             h = self._norm(x, self.pre_mlp_norm.weight)
-        gate, up = F.linear(h, self.mlp.fc1).chunk(2, dim=-1)
+        gate, up = self._linear(h, "mlp.fc1", self.mlp.fc1, acc).chunk(2, dim=-1)
         if k_.swiglu == "triton":
             from forgetrain.kernels import swiglu
 
             act = swiglu(gate, up)
         else:
             act = F.silu(gate) * up
-        return x + F.linear(act, self.mlp.fc2)
+        return x + self._linear(act, "mlp.fc2", self.mlp.fc2, acc)
 
 
 def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
@@ -144,11 +155,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
     The forward computes each chunk's logits, its loss and (softmax - onehot) / N, and immediately the chunk's
     ``dh`` and its ``dW`` contribution, so only one chunk of logits is alive and nothing is recomputed. With one
     chunk (``ce_chunk_tokens >= N``) dW is a single bf16 GEMM; with several it accumulates in fp32.
+    With ``main_grad`` (fp32 ``[V, h]``) and ``acc`` (gradient accumulation fusion) each chunk's dW GEMM goes
+    straight into ``main_grad`` instead, scaled by ``acc.scale`` -- which must be the ``dloss`` the backward will
+    receive (``train_step``'s ``1 / n``): dW is formed before ``dloss`` exists -- and ``w`` gets no gradient.
     Returns (mean loss, per-token loss [N] fp32 detached). Formula: Megatron's max-shifted CE.
     """
 
     @staticmethod
-    def forward(ctx, h, w, labels, chunk: int):
+    def forward(ctx, h, w, labels, chunk: int, main_grad=None, acc: WGradAccum | None = None):
         n = h.shape[0]
         fn = _ce_fn(h.device)
         dh = torch.empty_like(h)
@@ -159,6 +173,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
             loss, g = fn(hc @ w.t(), lc, 1.0 / n)
             losses[i:i + chunk] = loss
             dh[i:i + chunk] = g @ w
+            if acc is not None:
+                wgrad.gemm_accumulate(main_grad, g, hc, acc.first and i == 0, acc.scale, acc.path)
+                continue
             part = g.t() @ hc
             if dw is None:
                 dw = part if chunk >= n else part.float()
@@ -171,7 +188,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss, _dlosses):
         dh, dw = ctx.saved_tensors
-        return dh * dloss.to(dh.dtype), (dw * dloss).to(ctx.w_dtype), None, None
+        dw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
+        return dh * dloss.to(dh.dtype), dw, None, None, None, None
 
 
 class FastLlama(nn.Module):
@@ -189,6 +207,7 @@ class FastLlama(nn.Module):
         self._rope: dict = {}
         self._blocks = list(self.layers)
         self.attention_backend = getattr(engine_opts, "attention_backend", "cudnn")
+        self.main_grad: dict[str, torch.Tensor] = {}  # attach_main_grad: the weights fused into main_grad
         if engine_opts.compile:
             self._blocks = [torch.compile(b) for b in self.layers]
 
@@ -197,7 +216,21 @@ class FastLlama(nn.Module):
 
         megatron_init(self, self.cfg, generator)
 
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+    def attach_main_grad(self, main_grad: dict[str, torch.Tensor]) -> list[str]:
+        """Route the weight gradients of the linear layers, the embedding and (unless ``kernels.cross_entropy=
+        triton``, whose kernel owns its dW) the LM head into ``main_grad`` (parameter name -> fp32 tensor of the
+        parameter's shape) whenever ``forward`` gets a :class:`WGradAccum`. Returns the routed names; the other
+        parameters (the norm weights) keep autograd's ``.grad``."""
+        names = [n for n, p in self.named_parameters() if p.dim() == 2]
+        if self.kernels.cross_entropy == "triton":
+            names.remove("output_layer.weight")
+        self.main_grad = {n: main_grad[n] for n in names}
+        for i, blk in enumerate(self.layers):
+            p = f"layers.{i}."
+            blk.main_grad = {n[len(p):]: t for n, t in self.main_grad.items() if n.startswith(p)}
+        return names
+
+    def hidden(self, ids: torch.Tensor, acc: WGradAccum | None = None) -> torch.Tensor:
         s = ids.shape[1]
         key = (s, ids.device, self.embedding.weight.dtype)
         if key not in self._rope:
@@ -212,14 +245,15 @@ class FastLlama(nn.Module):
 
                 self._rope[rk] = rope_tables(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device)
             rope32 = self._rope[rk]
-        x = F.embedding(ids, self.embedding.weight)
+        x = wgrad.embedding(ids, self.embedding.weight, self.main_grad.get("embedding.weight"), acc)
         with _sdpa_priority(self.attention_backend, ids.device):
             for blk in self._blocks:
-                x = blk(x, cos, sin, rope32)
+                x = blk(x, cos, sin, rope32, acc)
         return F.rms_norm(x, (x.shape[-1],), self.final_norm.weight, self.cfg.norm_epsilon)
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
-        h = self.hidden(ids)
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, acc: WGradAccum | None = None):
+        """With ``acc`` the routed weight gradients (:meth:`attach_main_grad`) go to ``main_grad``."""
+        h = self.hidden(ids, acc)
         b, s, hd = h.shape
         mode = self.kernels.cross_entropy
         if mode == "triton":
@@ -229,10 +263,11 @@ class FastLlama(nn.Module):
                                              self.opts.ce_chunk_tokens)
             return tok.mean(), tok.detach().view(b, s)
         if mode == "chunked":
+            mg = self.main_grad.get("output_layer.weight") if acc is not None else None
             loss, tok = _ChunkedLinearCE.apply(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
-                                               self.opts.ce_chunk_tokens)
+                                               self.opts.ce_chunk_tokens, mg, acc if mg is not None else None)
             return loss, tok.view(b, s)
-        logits = F.linear(h, self.output_layer.weight).float()
+        logits = wgrad.linear(h, self.output_layer.weight, self.main_grad.get("output_layer.weight"), acc).float()
         tok = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
         return tok.mean(), tok.detach().view(b, s)
 

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Device call 12 (one H200), the gradient-accumulation-fusion lever of the performance issue
+# (engine.grad_accum_fusion=true, scenarios/llama1b_h200/wgrad.py; declared tier: tolerance):
+#   PART=a: (1) the tolerance golden at call 8's h1024 x 4 layers shape (8 steps, bf16, deterministic, micro-batch
+#           2 x grad-accum 2; made per call: too large to bring back), then the switch on the fast base at
+#           tolerance, once with the plain LM head and once with the chunked LM-head CE (both head paths);
+#           (2) the fast default (compile, chunked CE, fused AdamW) plus the switch at loss_curve against the stored
+#           5-seed golden at call 8's loss-curve shape (h2048 x 8 layers, seq 2048, grad-accum 4, 300 steps).
+#                                                                                              (~400 s)
+#   PART=b: forgetrain.bench on the llama8b_h100 proxy (4 layers, seq 8192) at micro-batch 1 x grad-accum 8, the
+#           forged engine alone (bench.against=[]), switch off, on, off again (A-B-A: the two "off" runs bracket
+#           the machine's drift); step_s, MFU, memory and the GEMM path it chose (bench.json "engine_info").
+#                                                                                              (~450 s)
+# Verdicts travel back as one tar, the bench.json files one each (each file < 16 MiB, <= 8 files in all).
+#   run: PART=a bash scripts/device/call12_grad_accum_fusion.sh ; then PART=b ...   (carry [".whl"])
+set -u
+. scripts/device/setup.sh
+PART=${PART:-a}
+L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
+model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
+train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
+verify.curve_steps=300 parallel.timeout_s=60"
+T="scenario=llama1b_h200 model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 \
+model.num_query_groups=4 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 \
+train.micro_batch_size=2 train.global_batch_size=4 train.lr_warmup_steps=2 train.precision=bf16 \
+train.deterministic=true hardware=h200 tier=tolerance verify.steps=8 parallel.timeout_s=60"
+BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch"
+FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
+GAF="engine.grad_accum_fusion=true"
+B="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
+train.deterministic=false bench.against=[] bench.steps=8 bench.warmup=3 bench.interleave=always \
+bench.single_micro_batch=false parallel.timeout_s=60"
+mkdir -p /tmp/verdicts
+judge() {  # name, then the verify overrides
+  local name=$1; shift
+  echo "$(ts) == $name ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify "$@" verify.out_dir=/tmp/v_$name > /tmp/log_$name 2>&1
+  grep -m1 "grad_accum_fusion:" /tmp/log_$name   # the GEMM path the engine probed
+  filt 6 < /tmp/log_$name
+  cp /tmp/v_$name/verdict.json /tmp/verdicts/call12_${name}_verdict.json 2>/dev/null
+  cp /tmp/v_$name/loss_curves.png /tmp/verdicts/call12_${name}_loss_curves.png 2>/dev/null
+  rm -rf /tmp/v_$name
+  tar cf $OUT/call12_a_verdicts.tar -C /tmp verdicts 2>/dev/null
+}
+bench() {  # name, then the bench overrides
+  local name=$1; shift
+  echo "$(ts) == bench $name ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.bench $B "$@" bench.out_dir=/tmp/b_$name > /tmp/log_b_$name 2>&1
+  grep -E "grad_accum_fusion:|^engine info|^\[block\]" /tmp/log_b_$name
+  filt 6 < /tmp/log_b_$name
+  cp /tmp/b_$name/bench.json $OUT/call12_bench_$name.json 2>/dev/null
+}
+if [ "$PART" = a ]; then
+  echo "$(ts) == tolerance golden ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $T verify.make_golden=true verify.out_dir=/tmp/gt 2>&1 | filt 2
+  judge tol_gaf $T verify.golden=true $BASE $GAF
+  judge tol_gaf_chunked_ce $T verify.golden=true $BASE kernels.cross_entropy=chunked $GAF
+  judge gaf_default_5seeds $L tier=loss_curve verify.golden=true $FIVE $GAF
+else
+  bench gaf_off engine.grad_accum_fusion=false
+  bench gaf_on $GAF
+  [ "$(left)" -gt 150 ] && bench gaf_off2 engine.grad_accum_fusion=false
+fi
+df -h /tmp | tail -1
+ls -la $OUT
+echo "$(ts) done"
