@@ -114,11 +114,13 @@ def forbidden_package_dirs(workspace: Path | None = None) -> list[tuple[str, str
 
 
 def code_roots(engine_dir: Path) -> list[str]:
-    """Where module files may come from: the standard library, the installed packages, the harness, engine/,
-    and the compile caches torch writes generated code into (Inductor's and Triton's)."""
+    """Where module files may come from: the standard library, the installed packages (the site dirs and the
+    harness's ``sys.path`` entries, except the repository root, under which only the harness counts), the
+    harness, engine/, and the compile caches torch writes generated code into (Inductor's and Triton's)."""
     paths = sysconfig.get_paths()
     roots = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
     roots += list(getattr(site, "getsitepackages", lambda: [])())
+    roots += [p for p in sys.path if p and os.path.isabs(p) and _real(p) != _real(REPO_ROOT)]
     try:
         user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's own default cache dir name
     except (KeyError, OSError):
