@@ -295,3 +295,33 @@ def test_source_only_loader_runs_the_scanned_source(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import model; print(model.VALUE)"], cwd=eng, capture_output=True,
                        text=True, timeout=60)
     assert p.stdout.strip() == "planted", (p.stdout, p.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------- surpass
+
+@pytest.mark.slow
+def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
+    """Target surpass through the ladder process: the loss-curve golden from the reference's process, the
+    candidate's curve run, then A-B-A timing (candidate, reference, candidate), each block a process of its own.
+    CPU lengths far below the tiers' minimums: the verdicts fail, the plumbing is what is checked (~4 min)."""
+    from forgetrain.forge.loop import build_spec
+
+    spec = build_spec(micro_rc(), options(tmp_path, target_tier="surpass", ladder_from="tolerance", curve_steps=12,
+                                          timing_steps=10), tmp_path / "golden")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    ws = tmp_path / "ws"
+    wsmod.seed(ws, "llama_tiny_cpu", None, "megatron", tmp_path / "spec.json")
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge._ladder", "--spec", str(tmp_path / "spec.json"),
+                        "--workspace", str(ws), "--out", str(tmp_path / "lad")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    res = json.loads((tmp_path / "lad" / "ladder_result.json").read_text())
+    assert res["ok"] and not res["rejected"] and res["error"] is None, (p.stdout[-2000:], p.stderr[-2000:])
+    assert res["tiers_tried"] == ["tolerance", "surpass"] and res["strictest_passed"] == "tolerance"
+    assert [v["tier"] for v in res["verdicts"]] == ["tolerance", "loss_curve", "surpass"]
+    d = tmp_path / "lad" / "surpass"
+    assert len(json.loads((d / "reference_times.json").read_text())) == 10
+    for block in ("timing_a1", "timing_a2"):
+        assert len(json.loads((d / block / "times.json").read_text())) == 10
+    assert "too few timings" not in res["verdicts"][-1]["summary"]  # 10 per side, 20 for the candidate
+    gdir = next((tmp_path / "golden").rglob("seed_1234"))
+    assert (gdir / "trace" / "trace.jsonl").is_file()
