@@ -124,7 +124,8 @@ class _Sides:
         it raised or died."""
         from forgetrain.forge import procs, sandbox
 
-        d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(d, ignore_errors=True)  # only what this run writes is judged
+        d.mkdir(parents=True)
         cmd = [self.py, "-m", "forgetrain.forge._candidate", "--spec", str(self.spec_file), "--workspace",
                str(self.ws), "--tier", tier, "--out", str(d), "--ladder-dir", str(self.out)] + \
             (["--init", str(init)] if init else []) + \

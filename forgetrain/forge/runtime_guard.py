@@ -28,7 +28,10 @@ from engine/ -> class 1.
 
 Limits (docs/forge.md, threat model): native code (a C extension, ctypes reached without Python frames), child
 processes started through a library (torch's compile workers) and anything outside this process are beyond an
-in-process hook; run the agent in a container for those. This module imports neither torch nor the candidate.
+in-process hook, and a candidate that ends its own process early (``os._exit`` from a thread) skips the checks
+after the run, though not what the hook reported before; run the agent in a container for those. The checks
+after the run are the second line: what decides the verdict is that the judge runs elsewhere. This module
+imports neither torch nor the candidate.
 """
 
 from __future__ import annotations
