@@ -384,6 +384,23 @@ def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, int
     return mode, reduce_over_ranks(times)
 
 
+def time_engine(cfg: RunConfig, engine_cls, steps: int, warmup: int = 2) -> list[float]:
+    """Step seconds of one engine alone: ``steps`` timed steps after ``warmup`` untimed ones, from the engine's own
+    init at ``train.seed`` on the same micro-batches every side gets. One block of the A-B-A timing that the
+    forge's surpass gate runs with each engine in a process of its own (``forgetrain.forge._ladder``)."""
+    device = _device(cfg)
+    batches = _batches(cfg, warmup + steps)
+    torch.manual_seed(cfg.train.seed)
+    eng = engine_cls(cfg, device)
+    out = []
+    for i in range(warmup + steps):
+        with _Timer(device) as tm:
+            eng.train_step(batches[i])
+        if i >= warmup:
+            out.append(tm.s)
+    return out
+
+
 def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
     """(reference step seconds, forged step seconds) for the surpass tier, timed in this process: interleaved
     when both engines fit in memory, else in A-B-A blocks (the forged engine's two blocks both count)."""

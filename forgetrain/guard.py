@@ -1,45 +1,100 @@
-"""Import guard: forged engines must not import a reference framework (megatron, deepspeed, transformer_engine).
+"""Import guard: forged engines must not import a reference framework (megatron, deepspeed, transformer_engine,
+apex) nor the repository's ``references`` package, and must not hide what they import.
 
-An AST scan (not a regex) of every ``.py`` file under a directory: ``import X``, ``from X import ...`` and
-``importlib.import_module("X")`` / ``__import__("X")`` with a literal name. Used by the tests and the forge loop.
+An AST scan (not a regex) of every ``.py`` file under a directory. Findings, by kind:
+
+* ``import``: ``import X``, ``from X import ...`` and ``importlib.import_module("X")`` / ``__import__("X")`` with a
+  literal name whose root is forbidden;
+* ``hidden_import``: ``importlib.import_module`` / ``__import__`` with a name built at run time (a concatenation,
+  a join, a variable): the scan cannot tell what it loads;
+* ``exec``: ``exec`` / ``eval`` / ``compile`` of code (source text is code the scan never sees).
+
+The scan is the first line only: what it cannot see (``getattr(builtins, "ex" + "ec")``, a module file written at
+run time) is caught in the candidate's process at run time (:mod:`forgetrain.forge.runtime_guard`). Used by the
+tests, ``forgetrain.forge.install`` and the forge loop.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
-FORBIDDEN = ("megatron", "deepspeed", "transformer_engine", "apex")
+FORBIDDEN = ("megatron", "deepspeed", "transformer_engine", "apex")  # reference frameworks
+FORBIDDEN_ROOTS = FORBIDDEN + ("references",)  # ... and the repository's reference engines
+_DYNAMIC_IMPORT = ("import_module", "__import__")
+_CODE_BUILTINS = ("exec", "eval", "compile")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One guard finding: ``kind`` is ``import``, ``hidden_import`` or ``exec``; ``what`` names the module or the
+    construct."""
+
+    file: str
+    line: int
+    kind: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.what}"
 
 
 def _root(name: str) -> str:
     return name.split(".")[0]
 
 
-def scan_source(src: str, filename: str = "<src>") -> list[str]:
-    """Forbidden imports in ``src`` as ``file:line: module`` strings. Raises SyntaxError on unparsable code."""
-    hits = []
+def _func_name(f: ast.expr) -> tuple[str, str]:
+    """(owner, name) of a called function: ``importlib.import_module`` -> ('importlib', 'import_module')."""
+    if isinstance(f, ast.Attribute):
+        owner = f.value.id if isinstance(f.value, ast.Name) else ""
+        return owner, f.attr
+    return "", getattr(f, "id", "")
+
+
+def findings(src: str, filename: str = "<src>") -> list[Finding]:
+    """Every finding in ``src``. Raises SyntaxError on unparsable code."""
+    out = []
     for node in ast.walk(ast.parse(src, filename=filename)):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module]
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
-            f = node.func
-            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-            if fname in ("import_module", "__import__"):
-                names = [node.args[0].value]
-        hits += [f"{filename}:{node.lineno}: {n}" for n in names if _root(n) in FORBIDDEN]
-    return hits
+        elif isinstance(node, ast.Call):
+            owner, fname = _func_name(node.func)
+            if fname in _DYNAMIC_IMPORT:
+                first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    names = [first.value]
+                elif first is not None:
+                    out.append(Finding(filename, node.lineno, "hidden_import",
+                                       f"{fname}() of a module name built at run time (the guard cannot see what "
+                                       f"it imports; import modules by name)"))
+            elif fname in _CODE_BUILTINS and (isinstance(node.func, ast.Name) or owner in ("builtins",
+                                                                                          "__builtins__")):
+                out.append(Finding(filename, node.lineno, "exec",
+                                   f"{fname}() of code the guard never sees (write the code in engine/ instead)"))
+        out += [Finding(filename, node.lineno, "import", n) for n in names if _root(n) in FORBIDDEN_ROOTS]
+    return sorted(out, key=lambda f: f.line)
+
+
+def scan_source(src: str, filename: str = "<src>") -> list[str]:
+    """Findings in ``src`` as ``file:line: what`` strings (``what`` is the module for a forbidden import). Raises
+    SyntaxError on unparsable code."""
+    return [str(f) for f in findings(src, filename)]
+
+
+def scan_tree_findings(path: str | Path) -> list[Finding]:
+    """Findings in every ``.py`` file under ``path`` (a file or a directory). Raises SyntaxError."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(p.rglob("*.py"))
+    out = []
+    for f in files:
+        out += findings(f.read_text(), str(f))
+    return out
 
 
 def scan_tree(path: str | Path) -> list[str]:
-    """Forbidden imports in every ``.py`` file under ``path`` (a file or a directory)."""
-    p = Path(path)
-    files = [p] if p.is_file() else sorted(p.rglob("*.py"))
-    hits = []
-    for f in files:
-        hits += scan_source(f.read_text(), str(f))
-    return hits
+    """:func:`scan_tree_findings` as ``file:line: what`` strings."""
+    return [str(f) for f in scan_tree_findings(path)]

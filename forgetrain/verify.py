@@ -8,7 +8,8 @@ pass, 1 on a failure (2 on bad input). The tiers, and which runs each needs (its
 
 * ``verify.golden=true`` compares against the stored golden reference trace (``references/goldens/<platform>/``)
   instead of re-running the reference; ``verify.regenerate=true`` re-runs the reference and stores it;
-  ``verify.make_golden=true`` only runs the reference and stores it (no candidate, no verdict). For
+  ``verify.make_golden=true`` only runs the reference and stores it (no candidate, no verdict); a tolerance
+  golden below fp32 stores the reference's fp32 oracle run beside it (``oracle_fp32/``). For
   ``loss_curve`` / ``surpass`` the golden is one trace per reference seed (``seed_<N>/``), keyed by the run's
   config hash without the seed, so seeds can be added to it run by run (``verify.seeds=[...]``).
 * verify keeps no checkpoints: its runs save none, except the resume gate's, which is deleted afterwards;
@@ -149,6 +150,75 @@ def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, ini
                  final_params=final_params)
 
 
+def _tier(tier_name: str):
+    """The registry Tier called ``tier_name``. Raises ConfigError naming the known tiers."""
+    from forgetrain.equivalence import registry
+
+    tier = registry.find(tier_name)
+    if tier is None:
+        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(registry.TIER_ORDER)}")
+    return tier
+
+
+def tier_config(tier_name: str, reference: str, tier_cfg: dict | None = None) -> dict:
+    """The rules of ``tier_name``: ``tier_cfg`` (default ``conf/tier/<tier>.yaml``) with the reference's own,
+    versioned overrides merged over it (:func:`_with_reference_overrides`)."""
+    from forgetrain import equivalence as eq
+
+    return _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), reference, tier_name)
+
+
+def reference_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path) -> Path | None:
+    """The fp32 oracle run of the reference (same init and batches) that reduced-precision tolerance is judged
+    against; None for an fp32 run (it needs none). Returns the run's output dir (``trace/`` inside)."""
+    if cfg.train.precision == "fp32":
+        return None
+    fp32 = copy.deepcopy(cfg)
+    fp32.train = dataclasses.replace(fp32.train, precision="fp32")
+    return run_candidate_ref_oracle(fp32, vcfg, out, steps, init)
+
+
+def candidate_trace(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, init: Path | None,
+                    engine_cls=None) -> Path:
+    """Run the candidate the way ``tier_name`` judges it and return its trace dir: a ``pair`` tier runs
+    ``verify.steps`` steps from the reference's ``init`` weights with digests; a ``curve`` or ``speed`` tier runs
+    ``verify.curve_steps`` steps from the candidate's own init with the first reference seed, without digests."""
+    from forgetrain.equivalence import registry
+
+    if _tier(tier_name).kind == registry.PAIR:
+        return run_candidate(cfg, vcfg, out, vcfg.steps, init, engine_cls) / "trace"
+    vq = dataclasses.replace(vcfg, digests=False)
+    return run_candidate(cfg, vq, out, vcfg.curve_steps, None, engine_cls, seed=vcfg.seeds[0],
+                         final_params=False) / "trace"
+
+
+def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand: Path, out: Path | None = None, *,
+          oracle: Path | None = None, times: tuple[list, list] | None = None) -> list:
+    """The verdicts of ``tier_name`` from traces alone (no engine runs here): ``refs`` are the reference trace
+    dirs (one for a pair tier, one per seed for a curve or speed tier), ``cand`` the candidate's, ``oracle`` the
+    fp32 oracle trace (a pair tier with ``oracle``, reduced precision), ``times`` (reference step seconds,
+    candidate step seconds) for a speed tier, whose curve tier's verdict comes first. Writes the report into
+    ``out`` when given (rank 0). Raises ValueError when a speed tier gets no timings."""
+    from forgetrain import equivalence as eq
+    from forgetrain.equivalence import registry
+
+    tier = _tier(tier_name)
+    if tier.kind == registry.PAIR:
+        extra = {"oracle_dir": oracle} if tier.oracle else {}
+        verdicts = [tier.judge()(refs[0], cand, tier_cfg, **extra)]
+    elif tier.kind == registry.CURVE:
+        verdicts = [tier.judge()(refs, cand, tier_cfg)]
+    else:
+        if times is None:
+            raise ValueError(f"the {tier.name} tier needs the step times of both engines")
+        curve = registry.find(tier.rests_on)
+        verdicts = [curve.judge()(refs, cand, dict(eq.load_tier(curve.name)))]
+        verdicts.append(tier.judge()(verdicts[0], times[0], times[1], tier_cfg))
+    if out is not None and _is_rank0():
+        eq.write_report(verdicts, out, refs, cand)
+    return verdicts
+
+
 def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine_cls=None,
            tier_cfg: dict | None = None) -> list:
     """Run the requested tier; returns the list of Verdicts (the last one is the requested tier).
@@ -162,51 +232,42 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     ``engine_cls`` replaces the scenario's engine (tests feed deliberately wrong engines here).
     Raises ConfigError for an unknown tier or missing golden.
     """
-    from forgetrain import equivalence as eq
     from forgetrain.equivalence import registry
 
-    tier = registry.find(tier_name)
-    if tier is None:
-        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(registry.TIER_ORDER)}")
+    tier = _tier(tier_name)
     _check_request(vcfg, tier)
-    tier_cfg = _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), vcfg.reference, tier_name)
+    tier_cfg = tier_config(tier_name, vcfg.reference, tier_cfg)
     out.mkdir(parents=True, exist_ok=True)
     if tier.kind == registry.PAIR:
         steps = vcfg.steps
         gdir = golden_dir(cfg, tier_name)
-        if vcfg.make_golden:
-            _store_golden(run_reference(cfg, vcfg, out / "reference", steps), gdir)
-            return []
-        if vcfg.golden and not vcfg.regenerate:
+        oracle = None
+        if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
             if not (gdir / "trace" / "trace.jsonl").exists():
                 raise ConfigError(f"no golden at {gdir}; run with verify.regenerate=true first")
             _check_golden(gdir)
             ref = gdir
+            if tier.oracle and (gdir / "oracle_fp32" / "trace" / "trace.jsonl").exists():
+                oracle = gdir / "oracle_fp32"
             if _is_rank0():
                 print(f"reference: the stored golden {gdir} (not re-run)", file=sys.stderr)
         else:
             ref = run_reference(cfg, vcfg, out / "reference", steps)
-            if vcfg.regenerate:
-                _store_golden(ref, gdir)
-        cand = run_candidate(cfg, vcfg, out / "candidate", steps, ref / "init.safetensors", engine_cls)
-        extra = {}
-        if tier.oracle:
-            oracle = None
-            if cfg.train.precision != "fp32":  # fp32 oracle run of the reference, same init and batches
-                fp32 = copy.deepcopy(cfg)
-                fp32.train = dataclasses.replace(fp32.train, precision="fp32")
-                oracle = run_candidate_ref_oracle(fp32, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
-            extra["oracle_dir"] = oracle / "trace" if oracle else None
-        verdicts = [tier.judge()(ref / "trace", cand / "trace", tier_cfg, **extra)]
-        if _is_rank0():
-            eq.write_report(verdicts, out, [ref / "trace"], cand / "trace")
-        return verdicts
+            if tier.oracle:
+                oracle = reference_oracle(cfg, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
+            if vcfg.regenerate or vcfg.make_golden:
+                _store_golden(ref, gdir, oracle=oracle)
+            if vcfg.make_golden:
+                return []
+        cand = candidate_trace(cfg, vcfg, tier_name, out / "candidate", ref / "init.safetensors", engine_cls)
+        if tier.oracle and oracle is None:
+            oracle = reference_oracle(cfg, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
+        return judge(tier_name, tier_cfg, [ref / "trace"], cand, out, oracle=oracle / "trace" if oracle else None)
     # a curve tier, or a speed tier and the curve tier it rests on
     curve = tier if tier.kind == registry.CURVE else registry.find(tier.rests_on)
     steps = vcfg.curve_steps
     if len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden may be made seed by seed
         raise ConfigError(f"{curve.name} needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
-    lc_cfg = tier_cfg if curve is tier else dict(eq.load_tier(curve.name))
     vq = dataclasses.replace(vcfg, digests=False)
     gdir = curve_golden_dir(cfg, vcfg)
     if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
@@ -222,17 +283,13 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             refs.append(ref / "trace")
         if vcfg.make_golden:
             return []
-    cand = run_candidate(cfg, vq, out / "candidate", steps, None, engine_cls, seed=vcfg.seeds[0],
-                         final_params=False) / "trace"
-    verdicts = [curve.judge()(refs, cand, lc_cfg)]
+    cand = candidate_trace(cfg, vcfg, tier_name, out / "candidate", None, engine_cls)
+    times = None
     if tier.kind == registry.SPEED:
         from forgetrain.bench import side_by_side_step_times
 
-        t_ref, t_cand = side_by_side_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
-        verdicts.append(tier.judge()(verdicts[0], t_ref, t_cand, tier_cfg))
-    if _is_rank0():
-        eq.write_report(verdicts, out, refs, cand)
-    return verdicts
+        times = side_by_side_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
+    return judge(tier_name, tier_cfg, refs, cand, out, times=times)
 
 
 def _check_request(vcfg: VerifyConfig, tier) -> None:
@@ -327,14 +384,16 @@ def _with_reference_overrides(tier_cfg: dict, reference: str, tier_name: str) ->
     return merged
 
 
-def _store_golden(ref_out: Path, gdir: Path, with_init: bool = True) -> None:
-    """Copy a reference run's trace (and its init weights) to ``gdir``, replacing it atomically."""
+def _store_golden(ref_out: Path, gdir: Path, with_init: bool = True, oracle: Path | None = None) -> None:
+    """Copy a reference run's trace (and its init weights, and the fp32 oracle run's trace as
+    ``oracle_fp32/trace/`` when given) to ``gdir``, replacing it atomically."""
     tmp = gdir.with_name(gdir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "trace").mkdir(parents=True)
-    for f in ("meta.json", "trace.jsonl", "modules.json", "final.safetensors"):
-        if (ref_out / "trace" / f).exists():
-            shutil.copy2(ref_out / "trace" / f, tmp / "trace" / f)
+    for src, dst in [(ref_out, tmp)] + ([(oracle, tmp / "oracle_fp32")] if oracle is not None else []):
+        (dst / "trace").mkdir(parents=True)
+        for f in ("meta.json", "trace.jsonl", "modules.json", "final.safetensors"):
+            if (src / "trace" / f).exists():
+                shutil.copy2(src / "trace" / f, dst / "trace" / f)
     if with_init:
         shutil.copy2(ref_out / "init.safetensors", tmp / "init.safetensors")
     old = gdir.with_name(gdir.name + ".old")

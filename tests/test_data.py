@@ -346,3 +346,20 @@ def test_cli_prepares(tmp_path):
     assert r.returncode == 0, r.stderr
     prefix = next(line.split("data.path=")[1].split()[0] for line in r.stdout.splitlines() if "data.path=" in line)
     assert TokenWindows(prefix, 16, 0).num_tokens > 0
+
+
+def test_token_windows_read_megatrons_bytes_without_importing_megatron(tmp_path):
+    """TokenWindows maps the .bin with numpy (a forged engine's forge process must load no Megatron module) and
+    reads exactly what Megatron's own IndexedDataset reads."""
+    (tmp_path / "src.txt").write_text("\n\n".join(paragraphs(30)))
+    out = prepare(cfg(tmp_path, tmp_path / "src.txt"), progress=False)
+    code = ("import sys; from forgetrain.data import TokenWindows\n"
+            "w = TokenWindows(sys.argv[1], 16, 1)\nprint(len(w), w.window(0)[:4].tolist())\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))\n")
+    p = subprocess.run([sys.executable, "-c", code, out.train_prefix], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "[]"
+    w, ds = TokenWindows(out.train_prefix, 16, 1), open_indexed(out.train_prefix)
+    flat = ds.bin_reader.read(dtype=ds.index.dtype, count=len(w) * 17, offset=0)
+    assert np.array_equal(np.stack([w.window(i) for i in range(len(w))]), flat.reshape(len(w), 17).astype(np.int64))

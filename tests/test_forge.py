@@ -335,7 +335,7 @@ def test_seed_rewrites_scenario_imports_to_relative():
 
 
 def test_agent_command_placeholders(tmp_path):
-    from forgetrain.forge.loop import format_agent_command
+    from forgetrain.forge.procs import format_agent_command
 
     cmd = format_agent_command('claude -p "$(cat {brief})" --cwd {workspace} # {round}', tmp_path / "B.md",
                                tmp_path / "ws dir", 3)
@@ -360,7 +360,7 @@ def test_crashing_candidate_and_syntax_error_do_not_stop_the_loop(tmp_path, data
 
 
 def test_hung_ladder_is_killed(tmp_path, monkeypatch):
-    from forgetrain.forge.loop import subprocess_ladder
+    from forgetrain.forge.procs import subprocess_ladder
 
     fake = tmp_path / "slow_python"
     fake.write_text("#!/bin/sh\nsleep 300\n")

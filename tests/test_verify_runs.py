@@ -88,3 +88,19 @@ def test_loss_curve_golden_rejects_a_damaged_seed(golden_root, tmp_path):
     with pytest.raises(ConfigError, match="seed_1235.*not a 24-step run"):
         V.verify(cfg, _vcfg(golden=True), "loss_curve", tmp_path / "x", tier_cfg=tier)
     json.loads((t.parent / "meta.json").read_text())  # the rest stays readable
+
+
+def test_tolerance_golden_below_fp32_stores_its_oracle(golden_root, tmp_path):
+    """The fp32 oracle run is part of a bf16 tolerance golden, so judging against the golden runs no reference
+    code at all (the forge's judge never runs an engine)."""
+    cfg = _cfg(precision="bf16")
+    v = V.VerifyConfig(steps=3, digests=False)
+    assert V.verify(cfg, dataclasses.replace(v, make_golden=True), "tolerance", tmp_path / "g") == []
+    gdir = V.golden_dir(cfg, "tolerance")
+    assert (gdir / "oracle_fp32" / "trace" / "trace.jsonl").is_file() and (gdir / "init.safetensors").is_file()
+    stored = V.verify(cfg, dataclasses.replace(v, golden=True), "tolerance", tmp_path / "s")[-1]
+    assert not (tmp_path / "s" / "oracle_fp32").exists() and not (tmp_path / "s" / "reference").exists()
+    assert stored.passed, stored.summary
+    # an fp32 tolerance golden needs no oracle
+    V.verify(_cfg(), V.VerifyConfig(steps=3, make_golden=True), "tolerance", tmp_path / "g32")
+    assert not (V.golden_dir(_cfg(), "tolerance") / "oracle_fp32").exists()

@@ -136,10 +136,12 @@ class TokenWindows:
         if self._n < 1:
             raise DataError(f"dataset '{self.prefix}' has {info.num_tokens} tokens, too small for "
                             f"seq_length={self.seq_length} (one sample needs {width} tokens)")
-        self._ds = open_indexed(self.prefix)  # keeps the mmap alive
+        # The .bin is read through numpy's memory map, not Megatron's IndexedDataset (open_indexed): the index is
+        # validated above by our own parser, and a forged engine's process must load no Megatron module
+        # (forgetrain.forge.runtime_guard). The same bytes either way: tokens 0 .. n*width of the stream.
         try:
-            flat = self._ds.bin_reader.read(dtype=self._ds.index.dtype, count=self._n * width, offset=0)
-        except Exception as e:
+            flat = np.memmap(self.prefix + ".bin", dtype=info.dtype, mode="r", shape=(self._n * width,))
+        except (OSError, ValueError) as e:
             raise DataError(f"cannot read '{self.prefix}.bin': {_first_line(e)}") from None
         self._windows = flat.reshape(self._n, width)  # zero-copy view of the mmap
         self._epoch, self._perm = -1, None

@@ -5,12 +5,16 @@ drives any coding-agent CLI (a command that takes a prompt and edits files) insi
 *workspace* seeded from ``scenarios/NAME/``. See docs/forge.md for the workflow and real agent command lines.
 
 Pieces (each its own module): :mod:`.workspace` (seeding, git snapshots, the write guard, loading the candidate
-engine), :mod:`.brief` (the per-round brief), :mod:`.knowledge` (the cross-run knowledge base),
-:mod:`._ladder` (the gates, run in a subprocess), :mod:`.loop` (the rounds, state, log, seal),
-:mod:`.install` (copy a sealed engine into ``scenarios/``).
+engine from source), :mod:`.brief` (the per-round brief), :mod:`.knowledge` (the cross-run knowledge base),
+:mod:`.sandbox` (the escape classes, the gate set, the checks outside the candidate), :mod:`.runtime_guard` (the
+audit hook in the candidate's process), :mod:`.procs` (the agent and the ladder as processes), :mod:`._ladder`
+(the gates and the verdict), :mod:`._golden` and :mod:`._candidate` (the reference's and the candidate's
+processes), :mod:`.loop` (the rounds, state, log, seal), :mod:`.install` (copy a sealed engine into
+``scenarios/``).
 
 This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point; it
-imports neither torch nor megatron. The loop never imports a candidate engine: the gates run in a subprocess.
+imports neither torch nor megatron. Neither the loop nor the ladder imports a candidate engine: the candidate
+runs in a process of its own (docs/forge.md, threat model).
 """
 
 from __future__ import annotations

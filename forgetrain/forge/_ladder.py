@@ -1,25 +1,34 @@
-"""The forge's gates, run in their own process so a crashing or hanging candidate cannot take the loop down.
+"""The forge's gates: the ladder process, which judges a candidate without ever importing its code.
 
 ``python -m forgetrain.forge._ladder --spec gates/ladder_spec.json --workspace WS --out DIR [--result FILE]``
 
-Loads ``WS/engine/engine.py`` (:func:`forgetrain.forge.workspace.load_engine_class`) and runs
-:func:`forgetrain.verify.verify` tier by tier, strictest first, from the spec's ``tiers`` (``forge.ladder_from`` ..
-``forge.target_tier``), stopping at the first tier that passes. Target ``surpass`` tries the short-run tiers
-(bitwise, tolerance) and then runs ``surpass`` (which carries its own loss_curve verdict).
+Tiers are tried strictest first from the spec's ``tiers`` (``forge.ladder_from`` .. ``forge.target_tier``), stopping
+at the first that passes; target ``surpass`` tries the short-run tiers (bitwise, tolerance) and then runs
+``surpass`` (which carries its own loss_curve verdict). Each engine runs in a process of its own
+(docs/forge.md, threat model):
 
-The reference's short runs are cached as goldens under the spec's ``golden_root`` (the forge run's own dir, never
-the repository's ``references/goldens``): the first ladder run of a forge run stores them, later ones reuse them.
+1. goldens first: the reference's runs that the tiers need, made by ``forgetrain.forge._golden`` when the spec's
+   ``golden_root`` (the forge run's own dir, never the repository's ``references/goldens``) lacks them;
+2. per tier, the candidate in ``forgetrain.forge._candidate``: it loads ``WS/engine`` under the run-time guard and
+   writes only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the
+   result's ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
+3. the verdict, computed here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the
+   judge's code before any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference,
+   candidate).
 
-Writes the result JSON (``ok``, ``error``, ``verdicts``, ``strictest_passed``, ``surpassed``, ``target_met``,
-``metrics``, ``versions``, ``device``, ``wall_s``) and prints the verdict table. Exit 0 when the target is met,
-1 when not, 3 when the candidate (or the gate) raised.
+Every side uses the forge run's private bytecode cache (the loop passes it as ``PYTHONPYCACHEPREFIX``; run by
+hand, ``OUT/pycache``), which a candidate's process only reads. Writes the result JSON (``ok``, ``error``, ``rejected``,
+``verdicts``, ``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``,
+``wall_s``) and prints the verdict table. Exit 0 when the target is met, 1 when not, 3 when the candidate (or a
+gate) failed to run, 4 when the candidate was rejected.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -78,68 +87,183 @@ def _metrics(out: Path, tier: str, golden: Path | None) -> dict:
     return m
 
 
+class CandidateFailed(RuntimeError):
+    """The candidate's process raised or died; ``tb`` is its traceback (or the log's tail)."""
+
+    def __init__(self, msg: str, tb: str = ""):
+        super().__init__(msg)
+        self.tb = tb
+
+
+class _Sides:
+    """Starts the golden and candidate processes of one ladder run and reads their reports."""
+
+    def __init__(self, spec_file: Path, workspace: Path, out: Path, golden_root: Path, cache: Path):
+        from forgetrain.forge.workspace import python
+
+        self.spec_file, self.ws, self.out, self.golden_root = spec_file, workspace, out, golden_root
+        self.py, self.log, self.cache = python(), out / "sides.log", cache
+
+    def golden(self, *extra: str) -> None:
+        """Run ``forgetrain.forge._golden`` (the reference only). Raises RuntimeError when it fails."""
+        import subprocess
+
+        from forgetrain.forge import procs, sandbox
+
+        cmd = [self.py, "-m", "forgetrain.forge._golden", "--spec", str(self.spec_file),
+               "--out", str(self.out / "_golden"), *extra]
+        with open(self.log, "ab") as log:
+            rc, _, _ = procs.run_group(cmd, cwd=self.out, env=sandbox.sandbox_env(self.cache, writable=True),
+                                       timeout_s=None, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        if rc != 0:
+            raise RuntimeError(f"the reference's side failed (rc={rc}); see {self.log}")
+
+    def candidate(self, tier: str, d: Path, init: Path | None, time_steps: int = 0) -> dict | None:
+        """Run the candidate for ``tier`` into ``d``. Returns the ``rejected`` entry when the guard reported a
+        violation (or the goldens or the bytecode cache changed under it), else None. Raises CandidateFailed when
+        it raised or died."""
+        from forgetrain.forge import procs, sandbox
+
+        shutil.rmtree(d, ignore_errors=True)  # only what this run writes is judged
+        d.mkdir(parents=True)
+        cmd = [self.py, "-m", "forgetrain.forge._candidate", "--spec", str(self.spec_file), "--workspace",
+               str(self.ws), "--tier", tier, "--out", str(d), "--ladder-dir", str(self.out)] + \
+            (["--init", str(init)] if init else []) + \
+            (["--time-steps", str(time_steps)] if time_steps else [])
+        golden, cache = sandbox.stat_signature([self.golden_root]), sandbox.stat_signature([self.cache])
+        rc, _, lines = procs.run_reporting(cmd, cwd=d, env=sandbox.sandbox_env(self.cache, writable=False),
+                                           log_path=self.log, timeout_s=None)
+        rep = sandbox.read_report(lines)
+        violations = rep["violations"]
+        if sandbox.stat_signature([self.golden_root]) != golden:
+            violations.append((1, f"the goldens under {self.golden_root} changed while the candidate ran"))
+        if sandbox.stat_signature([self.cache]) != cache:
+            violations.append((3, f"the bytecode cache {self.cache} changed while the candidate ran"))
+        if violations:
+            return sandbox.rejection(violations, f"{tier} candidate run")
+        if rep["error"]:
+            raise CandidateFailed(rep["error"], rep["traceback"] or "")
+        if not rep["done"] or rc != 0:
+            tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+            raise CandidateFailed(f"the candidate's process died (rc={rc}) before its checks finished", tail)
+        return None
+
+
+def _link_or_copy(src: Path, dst: Path) -> Path:
+    """``dst`` as a hard link to ``src`` (a copy across file systems); the candidate reads its init from there,
+    never from the golden dir."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+    return dst
+
+
 def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
     """Run the gates for the candidate in ``workspace/engine``; returns the result dict (never raises for a
-    broken candidate: the error is in the result)."""
+    broken or rejected candidate: that is in the result)."""
     t0 = time.perf_counter()
-    res: dict = {"ok": False, "error": None, "verdicts": [], "strictest_passed": None, "surpassed": None,
-                 "target_met": False, "metrics": {}, "tiers_tried": []}
+    res: dict = {"ok": False, "error": None, "rejected": None, "verdicts": [], "strictest_passed": None,
+                 "surpassed": None, "target_met": False, "metrics": {}, "tiers_tried": []}
     try:
+        import forgetrain.equivalence  # noqa: F401 - the judge's code, loaded before any candidate runs
         import forgetrain.verify as fv
         from forgetrain.config import to_run_config
-        from forgetrain.forge.workspace import load_engine_class
+        from forgetrain.errors import ConfigError
+        from forgetrain.forge._golden import golden_location, missing_goldens
+        from forgetrain.trace import atomic_write_json
         from forgetrain.train import versions
 
-        rc = to_run_config(spec["run_config"])
+        rc, vcfg = to_run_config(spec["run_config"]), fv.VerifyConfig(**spec["verify"])
         res["versions"] = versions()
         res["device"] = {"hardware": rc.hardware.name, "device": rc.hardware.device,
                          "peak_source": rc.hardware.peak_source}
-        golden_root = Path(spec["golden_root"]) if spec.get("golden_root") else None
-        if golden_root is not None:
-            fv.GOLDEN_ROOT = golden_root  # this process only: goldens live in the forge run's dir
-        engine_cls = load_engine_class(workspace / "engine")
+        if not spec.get("golden_root"):
+            raise ConfigError("the ladder spec names no golden_root")
+        golden_root = Path(spec["golden_root"]).resolve()
+        fv.GOLDEN_ROOT = golden_root  # this process only: goldens live in the forge run's dir
+        out.mkdir(parents=True, exist_ok=True)
+        spec_file = out / "spec.json"
+        atomic_write_json(spec_file, dict(spec, golden_root=str(golden_root)))
+        # the forge run's private bytecode cache when the loop started this process; else (the agent's own gate
+        # runs, which the loop does not trust anyway) one kept under OUT between runs
+        cache = Path(sys.pycache_prefix) if sys.pycache_prefix else out / "pycache"
+        cache.mkdir(parents=True, exist_ok=True)
+        sides = _Sides(spec_file, workspace, out, golden_root, cache)
+        if missing_goldens(rc, vcfg, spec):  # 1. goldens first, by a process that runs only the reference
+            sides.golden()
+            if missing_goldens(rc, vcfg, spec):
+                raise RuntimeError(f"the reference's side ran but left goldens missing: {missing_goldens(rc, vcfg, spec)}")
         target = spec["target_tier"]
         tiers = [t for t in spec["tiers"] if t not in ("loss_curve", "surpass")] if target == "surpass" \
             else list(spec["tiers"])
         last_eq, golden_used = None, None
         for tier in tiers:
-            vcfg = fv.VerifyConfig(**spec["verify"])
-            gdir = None
-            if tier in ("bitwise", "tolerance") and golden_root is not None:
-                gdir = fv.golden_dir(rc, tier)
-                have = (gdir / "trace" / "trace.jsonl").exists()
-                vcfg = dataclasses.replace(vcfg, golden=have, regenerate=not have)
             res["tiers_tried"].append(tier)
-            verdicts = fv.verify(rc, vcfg, tier, out / tier, engine_cls=engine_cls)
+            gdir = golden_location(rc, vcfg, tier)
+            short = tier in ("bitwise", "tolerance")
+            init = _link_or_copy(gdir / "init.safetensors", out / tier / "init.safetensors") if short else None
+            res["rejected"] = sides.candidate(tier, out / tier / "candidate", init)  # 2. the candidate
+            if res["rejected"]:
+                break
+            cand = out / tier / "candidate" / "trace"  # 3. the verdict, from traces alone
+            refs = [gdir / "trace"] if short else fv._curve_golden_traces(gdir, vcfg)
+            oracle = gdir / "oracle_fp32" / "trace"
+            verdicts = fv.judge(tier, fv.tier_config(tier, vcfg.reference), refs, cand, out / tier,
+                                oracle=oracle if tier == "tolerance" and oracle.is_dir() else None)
             res["verdicts"] += [v.to_dict() for v in verdicts]
-            last_eq, golden_used = tier, gdir
+            last_eq, golden_used = tier, (gdir if short else None)
             if verdicts[-1].passed:
                 res["strictest_passed"] = tier
                 break
-        if target == "surpass":
+        if target == "surpass" and not res["rejected"]:
             res["tiers_tried"].append("surpass")
-            vcfg = fv.VerifyConfig(**spec["verify"])
-            verdicts = fv.verify(rc, vcfg, "surpass", out / "surpass", engine_cls=engine_cls)
-            res["verdicts"] += [v.to_dict() for v in verdicts]
-            lc = next((v for v in verdicts if v.tier == "loss_curve"), None)
-            if res["strictest_passed"] is None and lc is not None and lc.passed:
-                res["strictest_passed"] = "loss_curve"
-            res["surpassed"] = verdicts[-1].passed
-            sv = verdicts[-1].evidence
-            res["metrics"]["surpass"] = {k: sv.get(k) for k in ("speedup", "noise", "median_ref_step_s",
-                                                                 "median_cand_step_s") if k in sv}
-        if last_eq is not None:
+            _surpass(res, sides, rc, vcfg, out, golden_location(rc, vcfg, "loss_curve"))
+        if last_eq is not None and not res["rejected"]:
             res["metrics"].update(_metrics(out, last_eq, golden_used))
-        res["target_met"] = target_met(target, res["strictest_passed"], res["surpassed"])
+        res["target_met"] = not res["rejected"] and target_met(target, res["strictest_passed"], res["surpassed"])
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - a broken candidate is a result, not a crash of the gate
         if isinstance(e, KeyboardInterrupt):
             raise
-        tb = traceback.format_exc()
-        res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        res["traceback"] = tb[-4000:]
+        msg = str(e).strip()
+        res["error"] = f"{msg}" if isinstance(e, CandidateFailed) else \
+            f"{type(e).__name__}: {msg.splitlines()[0] if msg else ''}"
+        res["traceback"] = (e.tb if isinstance(e, CandidateFailed) else traceback.format_exc())[-4000:]
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, gdir: Path) -> None:
+    """The surpass gate: the candidate's loss-curve run, then A-B-A timing (candidate, reference, candidate), each
+    block in a process of its own; the verdicts come from the traces and the step times."""
+    import forgetrain.verify as fv
+
+    d = out / "surpass"
+    res["rejected"] = sides.candidate("surpass", d / "candidate", None)
+    if res["rejected"]:
+        return
+    t_cand = []
+    for block in ("a1", "a2"):
+        if block == "a2":
+            sides.golden("--time-steps", str(vcfg.timing_steps), "--times", str(d / "reference_times.json"))
+        res["rejected"] = sides.candidate("surpass", d / f"timing_{block}", None, time_steps=vcfg.timing_steps)
+        if res["rejected"]:
+            return
+        t_cand += json.loads((d / f"timing_{block}" / "times.json").read_text())
+    t_ref = json.loads((d / "reference_times.json").read_text())
+    verdicts = fv.judge("surpass", fv.tier_config("surpass", vcfg.reference), fv._curve_golden_traces(gdir, vcfg),
+                        d / "candidate" / "trace", d, times=(t_ref, t_cand))
+    res["verdicts"] += [v.to_dict() for v in verdicts]
+    lc = next((v for v in verdicts if v.tier == "loss_curve"), None)
+    if res["strictest_passed"] is None and lc is not None and lc.passed:
+        res["strictest_passed"] = "loss_curve"
+    res["surpassed"] = verdicts[-1].passed
+    sv = verdicts[-1].evidence
+    res["metrics"]["surpass"] = {k: sv.get(k) for k in ("speedup", "noise", "median_ref_step_s",
+                                                         "median_cand_step_s") if k in sv}
 
 
 def _table(res: dict) -> str:
@@ -153,13 +277,21 @@ def _table(res: dict) -> str:
         rows.append(f"{v['tier']:<10} {'PASS' if v['passed'] else 'FAIL'}  {v['summary']}{where}")
     if res.get("error"):
         rows.append(f"error: {res['error']}")
+    if res.get("rejected"):
+        rows.append(f"REJECTED ({res['rejected']['guard']}):")
+        rows += [f"  {p}" for p in res["rejected"]["problems"]]
     rows.append(f"strictest tier passed: {res.get('strictest_passed') or '-'}; target met: {res['target_met']}")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     from forgetrain.cli import _quiet_libraries
+    from forgetrain.forge.procs import kill_active
     from forgetrain.trace import atomic_write_json
+
+    signal.signal(signal.SIGTERM, kill_active)  # killed at its time limit: the sides it started go too
 
     ap = argparse.ArgumentParser(prog="python -m forgetrain.forge._ladder", description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", required=True, help="ladder spec JSON (gates/ladder_spec.json in a workspace)")
@@ -175,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(res), flush=True)
     if res.get("traceback"):
         print(res["traceback"], file=sys.stderr, flush=True)
-    return 3 if not res["ok"] else (0 if res["target_met"] else 1)
+    return 3 if not res["ok"] else 4 if res.get("rejected") else (0 if res["target_met"] else 1)
 
 
 if __name__ == "__main__":

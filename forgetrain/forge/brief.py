@@ -62,10 +62,17 @@ def _constraints(ctx: dict) -> list[str]:
         "- Edit only files under `engine/` (add files there if you need them). Everything else in this "
         "directory is read-only: `BRIEF.md`, `gates/`, `references/`, `.gitignore`. A round that changes "
         "anything outside `engine/` is rejected and reverted. Put scratch files under `.gate/` (git-ignored).",
-        "- Do not import megatron, deepspeed, transformer_engine or apex anywhere in `engine/` (also not through "
-        "importlib or __import__). An AST scan rejects and reverts the round.",
+        "- Do not import megatron, deepspeed, transformer_engine, apex or the repository's `references` anywhere "
+        "in `engine/`, not even indirectly (importlib or __import__ of a computed name, exec/eval/compile of code, "
+        "a child process). An AST scan rejects what it can see; a guard in the gate's candidate process rejects "
+        "the rest at run time. Either way the round is rejected and reverted.",
+        "- Only the `.py` source in `engine/` runs: bytecode or native modules in the workspace reject the round, "
+        "and the engine may import only from `engine/`, `forgetrain.*` and installed packages.",
+        "- The engine runs in a process of its own and is judged from its trace: it must leave the harness alone "
+        "(no rebinding `forgetrain.*`, no reading the goldens, no writing outside its run directory). Any attempt "
+        "rejects the round.",
         "- Do not touch the harness or the gates outside this directory (the ForgeTrain repository's "
-        "`forgetrain/`, `conf/tier/`, `references/`) nor the forge run's goldens: they are hashed before and "
+        "`forgetrain/`, `conf/`, `references/`, `tests/`) nor the forge run's goldens: they are hashed before and "
         "after you run, and any change aborts the forge run.",
         "- `engine/engine.py` must define `Engine(cfg, device)` implementing `forgetrain.engine.TrainEngine`; "
         "import sibling modules relatively (`from .model import Llama`). `forgetrain.*` helpers may be imported.",

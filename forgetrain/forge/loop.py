@@ -7,6 +7,7 @@ Outputs under ``forge.out_dir`` (default ``outputs/forge/<scenario>/<mode>``)::
     workspace/            the git workspace (see forgetrain.forge.workspace); forge_state.json inside
     ladder_spec.json      what the gates run (the harness's copy; the workspace has a read-only one)
     golden/               the reference's short-run traces, stored by the first ladder run and reused
+    pycache/              the private bytecode cache of the forge's processes (emptied at every start)
     rounds/<k>/           BRIEF.md, agent.stdout/.stderr, ladder.log, ladder_result.json, ladder/ (gate runs)
     forge_log.jsonl       one line per round (round 0 is the baseline ladder run on the seeded engine)
     sealed/               engine/ + seal.json once the target is reached
@@ -18,117 +19,38 @@ after the last completed round: a round interrupted half-way is discarded (the w
 completed round's commit) and run again.
 
 Invariant: ``state["last_ladder"]`` always describes the engine at ``state["end_commit"]``.
+
+Each round's checks (docs/forge.md, threat model): the guard before the ladder
+(:func:`forgetrain.forge.sandbox.guard_round`), the hashed gate set and the bytecode cache around the agent,
+the gate set and the workspace around the ladder, and the ladder's own rejection of a candidate that broke the
+run-time guard. A rejected round is reverted; a changed gate set aborts the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from forgetrain.config import RunConfig, validate
 from forgetrain.errors import ConfigError
 from forgetrain.forge import MODES, AgentConfig, ForgeOptions
 from forgetrain.forge import brief as briefmod
+from forgetrain.forge import sandbox
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge._ladder import TIER_ORDER, tiers_to_try
 from forgetrain.forge.knowledge import KnowledgeBase
-from forgetrain.guard import scan_tree
+from forgetrain.forge.procs import run_agent, subprocess_ladder
 from forgetrain.trace import atomic_write_bytes, atomic_write_json
 
 STATE_VERSION = 1
 LadderFn = Callable[[Path, Path, Path, float, Path], dict]
-
-
-# ---------------------------------------------------------------------------------------------------- processes
-
-def _kill_group(p: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """SIGTERM the process group led by ``p``, then SIGKILL what is left after ``grace_s``. The leader is reaped
-    while waiting (a zombie still counts as a group member for ``killpg(pgid, 0)``)."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
-        try:
-            os.killpg(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            p.poll()
-            try:
-                os.killpg(p.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(0.05)
-        else:
-            continue
-        break
-    if p.poll() is None:
-        p.wait()
-
-
-def _run_group(cmd, *, cwd: Path, env: dict, timeout_s: float, stdin=None, stdout=None, stderr=None,
-               shell: bool = False) -> tuple[Optional[int], bool, float]:
-    """Run ``cmd`` in its own process group; returns (rc or None, timed_out, seconds). Leftover children of the
-    group are killed when it returns, so nothing keeps writing after the harness moves on."""
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, shell=shell, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
-                         start_new_session=True)
-    timed_out = False
-    try:
-        rc = p.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out, rc = True, None
-    finally:
-        _kill_group(p)
-    return rc, timed_out, time.monotonic() - t0
-
-
-def format_agent_command(template: str, brief: Path, ws: Path, round_k: int) -> str:
-    """Substitute ``{brief}``, ``{workspace}`` and ``{round}`` (paths shell-quoted where needed)."""
-    return (template.replace("{brief}", shlex.quote(str(brief))).replace("{workspace}", shlex.quote(str(ws)))
-            .replace("{round}", str(round_k)))
-
-
-def run_agent(agent: AgentConfig, ws: Path, brief: Path, round_k: int, rdir: Path) -> dict:
-    """Run the agent command in the workspace; stdout/stderr go to ``rdir``. Returns rc, timeout flag, seconds."""
-    cmd = format_agent_command(agent.command, brief, ws, round_k)
-    env = dict(os.environ, FORGE_BRIEF=str(brief), FORGE_WORKSPACE=str(ws), FORGE_ROUND=str(round_k),
-               FORGE_HARNESS_PID=str(os.getpid()))
-    (rdir / "agent.command").write_text(cmd + "\n")
-    with open(rdir / "agent.stdout", "wb") as so, open(rdir / "agent.stderr", "wb") as se:
-        rc, timed_out, secs = _run_group(cmd, shell=True, cwd=ws, env=env, timeout_s=agent.timeout_s,
-                                         stdin=subprocess.DEVNULL, stdout=so, stderr=se)
-    return {"agent_rc": rc, "agent_timeout": timed_out, "agent_s": round(secs, 3)}
-
-
-def subprocess_ladder(spec_path: Path, ws: Path, out: Path, timeout_s: float, log_path: Path) -> dict:
-    """The default ladder: ``python -m forgetrain.forge._ladder`` in a subprocess with a time limit."""
-    result = out.parent / "ladder_result.json"
-    if result.exists():
-        result.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(wsmod.REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    cmd = [wsmod.python(), "-m", "forgetrain.forge._ladder", "--spec", str(spec_path), "--workspace", str(ws),
-           "--out", str(out), "--result", str(result)]
-    with open(log_path, "wb") as log:
-        rc, timed_out, secs = _run_group(cmd, cwd=out, env=env, timeout_s=timeout_s, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT)
-    if timed_out:
-        return {"ok": False, "error": f"ladder timed out after {timeout_s:.0f} s (candidate hung or too slow)",
-                "timeout": True, "verdicts": [], "target_met": False, "strictest_passed": None, "wall_s": secs}
-    if not result.exists():
-        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-        return {"ok": False, "error": f"ladder process died (rc={rc}) without a result; see {log_path}",
-                "traceback": tail, "verdicts": [], "target_met": False, "strictest_passed": None, "wall_s": secs}
-    return json.loads(result.read_text())
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -228,8 +150,9 @@ class _Run:
         self.log_path = self.out / "forge_log.jsonl"
         self.spec_path = self.out / "ladder_spec.json"
         self.golden = self.out / "golden"
-        self.ladder_fn = ladder_fn or subprocess_ladder
-        self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else wsmod.default_gate_paths())]
+        self.pycache = self.out / "pycache"  # the run's private bytecode cache (forgetrain.forge.sandbox)
+        self.ladder_fn = ladder_fn or functools.partial(subprocess_ladder, cache_dir=self.pycache)
+        self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else sandbox.gate_paths())]
         self.kb = KnowledgeBase(opts.kb_path)
         self.spec = build_spec(rc, opts, self.golden)
         self.state: dict = {}
@@ -307,10 +230,52 @@ class _Run:
 
     # ------------------------------------------------------------ one ladder run
     def ladder(self, k: int, rdir: Path) -> dict:
+        """Run the ladder on the workspace engine, then check what the ladder's processes must not have changed:
+        the gate set and the spec (``gates_changed``: the run aborts, class 4) and the workspace (the engine
+        judged must be the engine sealed: ``rejected``, class 3)."""
+        gates = self.gate_paths + [self.spec_path]
+        before, tree = wsmod.hash_paths(gates), wsmod.stage_tree(self.ws)
         res = self.ladder_fn(self.spec_path, self.ws, rdir / "ladder", self.opts.ladder_timeout_s, rdir / "ladder.log")
         res["round"] = k
+        res["gates_changed"] = wsmod.hash_changes(before, wsmod.hash_paths(gates)) or None
+        moved = [f"{st} {p}" for st, p in wsmod.changed_paths(self.ws, tree)] + sandbox.unscanned_files(self.ws)
+        if moved and not res.get("rejected"):
+            res["rejected"] = {"class": 3, "guard": sandbox.GUARD_LABELS[3], "problems": [
+                sandbox.reason(3, f"{x}: the workspace changed while the engine was judged") for x in moved]}
         atomic_write_json(rdir / "ladder_result.json", res)
         return res
+
+    def _judged(self, k: int, rdir: Path, rec: dict, base: str) -> tuple[dict | None, list[str]]:
+        """(the ladder's result for round ``k``, the gate files the ladder changed: the run must abort). The result
+        is None, and the round rejected and reverted to ``base``, when the run-time guard rejected the candidate."""
+        res = self.ladder(k, rdir)
+        if res.get("gates_changed"):
+            return None, res["gates_changed"]
+        rej = res.get("rejected")
+        if rej:
+            wsmod.revert_to(self.ws, base)
+            sandbox.remove_unscanned(self.ws)
+            rec.update({"guard": rej["guard"], "guard_problems": rej["problems"],
+                        "ladder": f"rejected by the run-time guard (class {rej['class']})"})
+            return None, []
+        return res, []
+
+    def _abort(self, k: int, rec: dict, base: str, tampered: list[str], when: str, t0: float) -> None:
+        """The gates changed: reject the round, stop the run loudly, name the files (escape class 4)."""
+        wsmod.revert_to(self.ws, base)
+        rec.update({"guard": "rejected: gates changed", "ladder": rec.get("ladder") or "not run (gates changed)",
+                    "guard_problems": [sandbox.reason(4, f"{x} ({when})") for x in tampered]})
+        banner = "!" * 100
+        _say(f"{banner}\n[forge] GATES CHANGED {when} in round {k}: the ladder can no longer be trusted. The round "
+             f"is rejected and the run stops. Restore these files and rerun with forge.overwrite=true:\n"
+             + "\n".join(f"  {x}" for x in tampered) + f"\n{banner}")
+        s = self.state
+        s["status"] = "aborted: gates changed"
+        s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: rejected")
+        rec.update({"wall_s": round(time.monotonic() - t0, 3), "commit": s["end_commit"],
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.record(rec)
+        self.progress(rec)
 
     def learn(self, k: int, res: dict, commit: str) -> list[str]:
         """Open failures per tier from this result; lessons for tiers that moved from failing to passing."""
@@ -380,16 +345,20 @@ class _Run:
         self.record(rec)
         return goal
 
-    def baseline(self) -> bool:
+    def baseline(self) -> bool | None:
         k, t0 = 0, time.monotonic()
         rdir = self.out / "rounds" / "0"
         shutil.rmtree(rdir, ignore_errors=True)
         rdir.mkdir(parents=True)
-        wsmod.revert_to(self.ws, self.state["end_commit"])
-        res = self.ladder(k, rdir)
+        base = self.state["end_commit"]
+        wsmod.revert_to(self.ws, base)
         rec = {"round": 0, "mode": "baseline", "agent_rc": None, "agent_timeout": False, "agent_s": 0.0,
                "guard": "skipped", "guard_problems": []}
-        goal = self._finish_round(k, rec, res, True, t0)
+        res, tampered = self._judged(k, rdir, rec, base)
+        if tampered:
+            self._abort(k, rec, base, tampered, "while the ladder ran", t0)
+            return None
+        goal = self._finish_round(k, rec, res, res is not None, t0)
         self.state["baseline_done"] = True
         self._save_state()
         self.progress(rec)
@@ -403,13 +372,14 @@ class _Run:
         shutil.rmtree(rdir, ignore_errors=True)
         rdir.mkdir(parents=True)
         wsmod.revert_to(self.ws, s["end_commit"])  # a resumed round starts from the last completed one
+        sandbox.remove_unscanned(self.ws)
         text = briefmod.render(self.brief_ctx(k))
         brief = self.ws / "BRIEF.md"
         brief.write_text(text)
         (rdir / "BRIEF.md").write_text(text)
         pre = wsmod.stage_tree(self.ws)
         gates = self.gate_paths + [self.golden, self.spec_path]
-        before = wsmod.hash_paths(gates)
+        before, cache = wsmod.hash_paths(gates), sandbox.stat_signature([self.pycache])
         rec: dict = {"round": k, "mode": self.opts.mode}
         head_ref, head = wsmod.git(self.ws, "symbolic-ref", "HEAD"), wsmod.git(self.ws, "rev-parse", "HEAD")
         rec.update(run_agent(self.agent, self.ws, brief, k, rdir))
@@ -417,40 +387,18 @@ class _Run:
             rec["note"] = "the agent moved the workspace's git HEAD; restored (its edits are judged as usual)"
         # ---- guard
         tampered = wsmod.hash_changes(before, wsmod.hash_paths(gates))
-        problems: list[str] = []
-        guard = "ok"
         if tampered:
-            wsmod.revert_to(self.ws, pre)
-            rec.update({"guard": "rejected: gates changed", "guard_problems": tampered,
-                        "ladder": "not run (gates changed)"})
-            banner = "!" * 100
-            _say(f"{banner}\n[forge] GATES CHANGED during round {k}: the ladder can no longer be trusted. "
-                 f"The round is rejected and the run stops. Restore these files and rerun with "
-                 f"forge.overwrite=true:\n" + "\n".join(f"  {x}" for x in tampered) + f"\n{banner}")
-            s["status"] = "aborted: gates changed"
-            s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: rejected")
-            rec.update({"wall_s": round(time.monotonic() - t0, 3), "commit": s["end_commit"],
-                        "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-            self.record(rec)
-            self.progress(rec)
+            self._abort(k, rec, pre, tampered, "during the agent's round", t0)
             return None
         rows = wsmod.changed_paths(self.ws, pre)
-        outside = wsmod.outside_engine(rows)
-        links = wsmod.engine_symlinks(self.ws)
-        if outside or links:
-            guard, problems = "rejected: writes outside engine/", \
-                [f"write outside engine/: {x}" for x in outside] + [f"symlink in engine/: {x}" for x in links]
-        else:
-            try:
-                hits = scan_tree(self.ws / wsmod.ENGINE_DIR)
-            except SyntaxError as e:
-                hits = []
-                where = os.path.relpath(e.filename, self.ws) if e.filename else "?"
-                guard, problems = "syntax error", [f"{where}:{e.lineno}: {e.msg}"]
-            if hits:
-                guard, problems = "rejected: forbidden import", [f"forbidden import {h}" for h in hits]
+        guard, problems = sandbox.guard_round(self.ws, rows)
+        if sandbox.stat_signature([self.pycache]) != cache:  # bytecode planted for the harness's processes
+            sandbox.fresh_cache(self.pycache)
+            guard, problems = sandbox.GUARD_LABELS[3], [sandbox.reason(3, f"the forge's bytecode cache "
+                                                                        f"{self.pycache} changed during the round")]
         if guard.startswith("rejected"):
             wsmod.revert_to(self.ws, pre)
+            sandbox.remove_unscanned(self.ws)
         rec.update({"guard": guard, "guard_problems": problems})
         changed = guard == "ok" and any(p.startswith(wsmod.EDITABLE_PREFIX) for _, p in rows)
         res = None
@@ -462,8 +410,11 @@ class _Run:
         elif guard != "ok":
             rec["ladder"] = "not run (guard)"
         elif changed or s.get("last_ladder") is None:
-            res = self.ladder(k, rdir)
-            changed = True
+            res, tampered = self._judged(k, rdir, rec, pre)
+            if tampered:
+                self._abort(k, rec, pre, tampered, "while the ladder ran", t0)
+                return None
+            changed = res is not None
         else:
             rec["ladder"] = "skipped (no change)"
         goal = self._finish_round(k, rec, res, changed, t0)
@@ -577,6 +528,7 @@ class _Run:
     # ------------------------------------------------------------ drive
     def run(self) -> dict:
         self.prepare()
+        sandbox.fresh_cache(self.pycache)  # empty at every start: nothing written while no harness ran is trusted
         s = self.state
         if s["status"] == "sealed":
             _say(f"[forge] already sealed: {s.get('seal')}")
@@ -590,7 +542,7 @@ class _Run:
         if self.opts.baseline and not s.get("baseline_done") and s["round"] == 0:
             goal = self.baseline()
         k = s["round"]
-        while not goal and k < self.opts.max_rounds:
+        while goal is False and k < self.opts.max_rounds:
             k += 1
             r = self.round(k)
             if r is None:
@@ -612,8 +564,9 @@ def forge(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, *, ladder_fn: L
     aborted: gates changed; ``round``; ``last_ladder``; ``seal`` when sealed).
 
     ``ladder_fn(spec_path, workspace, out_dir, timeout_s, log_path) -> result dict`` replaces the subprocess ladder
-    (tests inject stubs); ``gate_paths`` replaces the hashed gate files (default: the repository's equivalence
-    code, tier configs, references, verify/train/trace and the forge itself). Raises ConfigError on bad options.
+    (tests inject stubs); ``gate_paths`` replaces the hashed gate set (default
+    :func:`forgetrain.forge.sandbox.gate_paths`: all of the repository's ``forgetrain/``, ``references/``,
+    ``conf/``, ``tests/`` and the interpreter's site hooks). Raises ConfigError on bad options.
     """
     _check(rc, opts, agent)
     validate(dataclasses.replace(rc, train=dataclasses.replace(

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
+import importlib.abc
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 from forgetrain.errors import ConfigError
@@ -242,13 +243,6 @@ def file_hashes(root: Path) -> dict[str, str]:
     return out
 
 
-def default_gate_paths() -> list[Path]:
-    """The repo's gates: the tier rules and thresholds, the verify/train/trace harness, and the references."""
-    f = REPO_ROOT / "forgetrain"
-    return [f / "equivalence", REPO_ROOT / "conf" / "tier", REPO_ROOT / "references", f / "verify.py",
-            f / "train.py", f / "trace.py", f / "forge"]
-
-
 def hash_paths(paths: list[Path]) -> dict[str, str]:
     """sha256 of every file under ``paths`` (files or dirs; missing ones hash as absent)."""
     out: dict[str, str] = {}
@@ -278,29 +272,49 @@ def hash_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
 _PKG = "_forge_candidate"
 
 
+class _SourceOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds and loads the candidate package's modules from their ``.py`` source only: every module is compiled
+    from the file the guard scanned, whatever bytecode or native module lies beside it. A name with no ``.py``
+    file is an ImportError (the path finder, which would take a sourceless ``.pyc`` or a ``.so``, is never
+    asked)."""
+
+    def __init__(self, package: str, engine_dir: Path):
+        self.package, self.engine_dir = package, engine_dir
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.package and not fullname.startswith(self.package + "."):
+            return None
+        rel = fullname.split(".")[1:]
+        base = self.engine_dir.joinpath(*rel)
+        if (base / "__init__.py").is_file() or not rel:
+            return importlib.util.spec_from_file_location(fullname, base / "__init__.py", loader=self,
+                                                          submodule_search_locations=[str(base)])
+        if base.with_name(base.name + ".py").is_file():
+            return importlib.util.spec_from_file_location(fullname, base.with_name(base.name + ".py"), loader=self)
+        raise ModuleNotFoundError(f"No module named {fullname!r}: the engine's modules load from .py files in "
+                                  f"{self.engine_dir} only", name=fullname)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        path = Path(module.__spec__.origin)
+        src = path.read_bytes() if path.is_file() else b""  # a package without __init__.py
+        exec(compile(src, str(path), "exec", dont_inherit=True), module.__dict__)
+
+
 def load_engine_class(engine_dir: str | Path, package: str = _PKG):
     """Import ``engine_dir/engine.py`` as ``<package>.engine`` (``engine_dir`` becomes the package, so relative
-    imports resolve inside it) and return its ``Engine`` class. Raises ImportError / AttributeError."""
+    imports resolve inside it) and return its ``Engine`` class. Modules are compiled from their ``.py`` source
+    only (:class:`_SourceOnly`). Raises ImportError / AttributeError."""
     engine_dir = Path(engine_dir).resolve()
     for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
         del sys.modules[name]
-    init = engine_dir / "__init__.py"
-    if init.exists():
-        spec = importlib.util.spec_from_file_location(package, init, submodule_search_locations=[str(engine_dir)])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules[package] = pkg
-        spec.loader.exec_module(pkg)
-    else:
-        pkg = types.ModuleType(package)
-        pkg.__path__ = [str(engine_dir)]
-        pkg.__file__ = None
-        sys.modules[package] = pkg
-    spec = importlib.util.spec_from_file_location(f"{package}.engine", engine_dir / "engine.py")
-    if spec is None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _SourceOnly) and f.package == package)]
+    sys.meta_path.insert(0, _SourceOnly(package, engine_dir))
+    if not (engine_dir / "engine.py").is_file():
         raise ImportError(f"no engine.py in {engine_dir}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[f"{package}.engine"] = mod
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module(f"{package}.engine")
     if not hasattr(mod, "Engine"):
         raise AttributeError(f"{engine_dir / 'engine.py'} defines no Engine class")
     return mod.Engine

@@ -8,18 +8,26 @@ Each entry is a patch name (``patches/<name>.json``: ``{"description", "ops": [.
 
 * ``replace``: ``path``, ``old``, ``new`` -- exact text replacement (fails loudly when ``old`` is absent);
 * ``write`` / ``append``: ``path``, ``text`` (``path`` relative to the workspace, or absolute);
+* ``pyc``: ``path``, and ``source`` (text) or ``source_from`` (a file, with optional ``old`` -> ``new``
+  replacement) -- writes that source compiled to bytecode at ``path``; with ``stamp_like`` (a ``.py`` path) the
+  header carries that file's mtime and size, so Python would take the bytecode for that file's (a planted cache);
 * ``sleep``: ``seconds`` (a hung agent);
 * ``kill_harness``: SIGKILL the forge process ($FORGE_HARNESS_PID), once per plan (a marker file beside the plan
   remembers it), simulating a crash of the loop in the middle of a round;
 * ``pidfile``: ``path`` -- write this agent's pid there (to check that a hung agent was killed);
 * ``exit``: ``code``.
 
-The round comes from $FORGE_ROUND; a round absent from the plan does nothing.
+The round comes from $FORGE_ROUND; a round absent from the plan does nothing. ``{name}`` in an op's strings is
+replaced by the plan's ``vars`` (e.g. ``{"vars": {"gate_root": "/tmp/x"}}``): the tests point patches at a private
+copy of the repository's gate files.
 """
 
+import importlib.util
 import json
+import marshal
 import os
 import signal
+import struct
 import sys
 import time
 from pathlib import Path
@@ -27,11 +35,38 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def _path(x: str) -> Path:
+    p = Path(x)
+    return p if p.is_absolute() else Path.cwd() / p
+
+
+def _subst(op, plan_vars: dict):
+    if isinstance(op, str):
+        for k, v in plan_vars.items():
+            op = op.replace("{" + k + "}", str(v))
+        return op
+    if isinstance(op, dict):
+        return {k: _subst(v, plan_vars) for k, v in op.items()}
+    return op
+
+
 def apply(op: dict, plan_path: Path) -> None:
     kind = op["op"]
-    if kind in ("replace", "write", "append"):
-        p = Path(op["path"])
-        p = p if p.is_absolute() else Path.cwd() / p
+    if kind == "pyc":
+        src = op["source"] if "source" in op else _path(op["source_from"]).read_text()
+        if "old" in op:
+            src = src.replace(op["old"], op["new"])
+        target = _path(op["path"])
+        stamp = _path(op["stamp_like"]) if "stamp_like" in op else None
+        code = compile(src, str(stamp or target), "exec")
+        st = stamp.stat() if stamp else None
+        header = importlib.util.MAGIC_NUMBER + struct.pack(
+            "<III", 0, int(st.st_mtime) & 0xFFFFFFFF if st else 0, (st.st_size if st else len(src.encode())) & 0xFFFFFFFF)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(header + marshal.dumps(code))
+        print(f"pyc {target}")
+    elif kind in ("replace", "write", "append"):
+        p = _path(op["path"])
         if kind == "replace":
             text = p.read_text()
             if op["old"] not in text:
@@ -68,14 +103,15 @@ def main() -> None:
     k = os.environ["FORGE_ROUND"]
     brief = Path(os.environ["FORGE_BRIEF"]).read_text()
     print(f"round {k}: brief of {len(brief)} chars")
+    plan_vars = {"cache_tag": sys.implementation.cache_tag, **plan.get("vars", {})}
     for entry in plan.get("rounds", {}).get(k, []):
         if isinstance(entry, str):
             patch = json.loads((HERE / "patches" / f"{entry}.json").read_text())
             print(f"patch {entry}: {patch.get('description', '')}")
             for op in patch["ops"]:
-                apply(op, plan_path)
+                apply(_subst(op, plan_vars), plan_path)
         else:
-            apply(entry, plan_path)
+            apply(_subst(entry, plan_vars), plan_path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""The reference's side of a ladder run, in a process of its own that never sees the candidate.
+
+``python -m forgetrain.forge._golden --spec SPEC --out DIR`` makes every golden the spec's tiers need and that
+``golden_root`` does not hold yet (:func:`missing_goldens`): for bitwise and tolerance the reference's short run
+(and, below fp32, its fp32 oracle run), for loss_curve and surpass one run per reference seed
+(``forgetrain.verify.verify`` with ``make_golden``). ``--time-steps N --times F`` times the reference instead
+(the B block of surpass's process-separated A-B-A timing; :func:`forgetrain.bench.time_engine`).
+
+The ladder process starts this before any candidate process, so a golden is never made by a process that also
+runs the candidate. The reference's run dirs under ``DIR`` are deleted once stored. Exit 0 on success, 3 when the
+reference (or its configuration) failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+SHORT = ("bitwise", "tolerance")
+CURVE = ("loss_curve", "surpass")
+
+
+def golden_tiers(spec: dict) -> list[str]:
+    """The tiers whose goldens a ladder run of ``spec`` needs: the short tiers it tries, and ``loss_curve`` (one
+    golden for loss_curve and surpass) when it tries either curve tier."""
+    tiers = [t for t in spec["tiers"] if t in SHORT]
+    return tiers + (["loss_curve"] if any(t in CURVE for t in spec["tiers"]) else [])
+
+
+def golden_location(rc, vcfg, tier: str) -> Path:
+    """Where the golden of ``tier`` lives under ``forgetrain.verify.GOLDEN_ROOT`` (set to the spec's
+    ``golden_root`` by the caller)."""
+    import forgetrain.verify as fv
+
+    return fv.golden_dir(rc, tier) if tier in SHORT else fv.curve_golden_dir(rc, vcfg)
+
+
+def missing_goldens(rc, vcfg, spec: dict) -> list[str]:
+    """The tiers of :func:`golden_tiers` whose golden is absent or incomplete."""
+    out = []
+    for tier in golden_tiers(spec):
+        g = golden_location(rc, vcfg, tier)
+        if tier in SHORT:
+            need = [g / "trace" / "trace.jsonl", g / "init.safetensors"]
+            if tier == "tolerance" and rc.train.precision != "fp32":
+                need.append(g / "oracle_fp32" / "trace" / "trace.jsonl")
+        else:
+            need = [g / f"seed_{s}" / "trace" / "trace.jsonl" for s in vcfg.seeds]
+        if not all(p.is_file() for p in need):
+            out.append(tier)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m forgetrain.forge._golden", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True, help="scratch dir of the reference's runs")
+    ap.add_argument("--time-steps", type=int, default=0)
+    ap.add_argument("--times", default=None, help="with --time-steps: where to write the step seconds (JSON)")
+    a = ap.parse_args(argv)
+    try:
+        import forgetrain.verify as fv
+        from forgetrain.cli import _quiet_libraries
+        from forgetrain.config import to_run_config
+        from forgetrain.trace import atomic_write_json
+
+        _quiet_libraries()
+        spec = json.loads(Path(a.spec).read_text())
+        rc, vcfg = to_run_config(spec["run_config"]), fv.VerifyConfig(**spec["verify"])
+        fv.GOLDEN_ROOT = Path(spec["golden_root"])  # this process only: the forge run's goldens
+        out = Path(a.out).resolve()
+        if a.time_steps:
+            from forgetrain import registry
+            from forgetrain.bench import time_engine
+
+            ref_cls = registry.load_engine_class("references", vcfg.reference)
+            atomic_write_json(Path(a.times), time_engine(rc, ref_cls, a.time_steps))
+            return 0
+        for tier in missing_goldens(rc, vcfg, spec):
+            print(f"[golden] making the {tier} golden at {golden_location(rc, vcfg, tier)}", file=sys.stderr,
+                  flush=True)
+            fv.verify(rc, dataclasses.replace(vcfg, make_golden=True), tier, out / tier)
+            shutil.rmtree(out / tier, ignore_errors=True)
+        return 0
+    except Exception:  # noqa: BLE001 - the ladder reports it
+        traceback.print_exc()
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

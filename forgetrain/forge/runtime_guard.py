@@ -1,0 +1,365 @@
+"""The run-time guard of the forge's candidate process (``forgetrain.forge._candidate``).
+
+:func:`install` adds an audit hook (``sys.addaudithook``, PEP 578; it cannot be removed) before the candidate's code
+is imported, and returns the check that runs after the candidate has run. Every violation is written at once, as a
+JSON line, to a pipe whose read end the ladder process holds (:func:`forgetrain.forge.sandbox.read_report`): a
+line once written cannot be taken back, whatever the candidate does next. The hook also refuses the operation
+(it raises PermissionError), so a blocked import never runs.
+
+What the hook watches (the escape classes are :data:`forgetrain.forge.sandbox.ESCAPE_CLASSES`):
+
+* ``import`` of an installed module whose root is forbidden (``forgetrain.guard.FORBIDDEN_ROOTS``), and ``exec``
+  of a code object whose file lies in a forbidden package (``importlib.import_module`` raises no ``import``
+  event for the top module; executing its body does) -> class 2;
+* ``exec`` / ``compile`` called directly from engine code, a process started from engine code (``subprocess``,
+  ``os.system``, ``os.fork``, ``os.exec*``, ``os.posix_spawn``: the hook cannot see into it) -> class 2;
+* module code executed from a file outside engine/, the installed packages, the standard library and the harness;
+  ``ctypes``, ``marshal.loads`` and new code objects from engine code -> class 3;
+* reading the run's goldens or the ladder run's other files, replacing a harness function's ``__code__``, walking
+  the interpreter's objects (``gc.get_referrers`` ...) or tracing frames (``sys.settrace``) from engine code
+  -> class 1; reading a reference's source -> class 2;
+* writes (open for writing, rename, remove, ...) into the repository's gate directories -> class 4, into the
+  workspace or the forge's bytecode cache -> class 3, into the goldens or the ladder run's dir -> class 1.
+
+After the run (:func:`install`'s returned check): a forbidden module in ``sys.modules`` -> class 2; a candidate
+module not loaded from a ``.py`` file in engine/, or a module from outside the code roots -> class 3; a harness
+function or class attribute (``forgetrain.*``) rebound since the snapshot taken at install, or bound to code
+from engine/ -> class 1.
+
+Limits (docs/forge.md, threat model): native code (a C extension, ctypes reached without Python frames), child
+processes started through a library (torch's compile workers) and anything outside this process are beyond an
+in-process hook, and a candidate that ends its own process early (``os._exit`` from a thread) skips the checks
+after the run, though not what the hook reported before; run the agent in a container for those. The checks
+after the run are the second line: what decides the verdict is that the judge runs elsewhere. This module
+imports neither torch nor the candidate.
+"""
+
+from __future__ import annotations
+
+import getpass
+import importlib.util
+import json
+import os
+import re
+import site
+import sys
+import sysconfig
+import tempfile
+import threading
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+from forgetrain.guard import FORBIDDEN_ROOTS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HARNESS_DIR = REPO_ROOT / "forgetrain"
+GATE_DIRS = ("forgetrain", "references", "conf", "tests")  # the repository's hashed gate set (sandbox.gate_paths)
+CANDIDATE_PACKAGE = "_forge_candidate"  # the engine package's private name (workspace.load_engine_class)
+CHANNEL_LOST = 97  # exit status when the report pipe was closed or replaced under the hook
+_SPAWN = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty")
+_WRITES = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.chmod": (0,), "os.utime": (0,),
+           "os.truncate": (0,), "os.rename": (0, 1), "os.link": (1,), "os.symlink": (1,), "shutil.rmtree": (0,),
+           "shutil.move": (0, 1), "shutil.copyfile": (1,), "shutil.copytree": (1,)}
+_READS = {"os.link": (0,), "shutil.copyfile": (0,), "shutil.copytree": (0,), "os.symlink": (0,)}
+# events refused when engine code is the first caller outside the standard library (ctypes, gc and tracing are
+# reached through the standard library) ...
+_ENGINE_ONLY = {"ctypes.dlopen": 3, "ctypes.dlsym": 3, "ctypes.cdata": 3, "ctypes.addressof": 3,
+                "ctypes.string_at": 3, "ctypes.call_function": 3, "gc.get_referrers": 1, "gc.get_referents": 1,
+                "gc.get_objects": 1, "sys.settrace": 1, "sys.setprofile": 1, "sys._current_frames": 1}
+# ... and when engine code calls them directly (the import system loads every .pyc with marshal.loads)
+_ENGINE_DIRECT = {"marshal.loads": 3, "code.__new__": 3}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _real(p) -> str:
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    return os.path.realpath(os.fspath(p))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the candidate's process may touch. Paths are real (symlinks resolved). ``read_deny`` /
+    ``write_deny`` pair a root with the escape class a touch of it names; ``read_allow`` (the candidate's own
+    output dir, its init weights and engine/) and ``write_allow`` (its own output dir) win over them."""
+
+    engine_dir: str
+    read_allow: tuple[str, ...]
+    write_allow: tuple[str, ...]
+    read_deny: tuple[tuple[str, int], ...]
+    write_deny: tuple[tuple[str, int], ...]
+    forbidden_dirs: tuple[tuple[str, str], ...]  # (package dir, module root)
+    installed_forbidden: frozenset
+    code_roots: tuple[str, ...]
+
+
+def forbidden_package_dirs(workspace: Path | None = None) -> list[tuple[str, str]]:
+    """(dir, root) of every installed forbidden package, the repository's ``references/`` and the workspace's
+    copy. ``find_spec`` of a top-level name locates the package without running it."""
+    out = []
+    for root in FORBIDDEN_ROOTS:
+        try:
+            spec = importlib.util.find_spec(root)
+        except (ImportError, ValueError):
+            spec = None
+        for d in list(getattr(spec, "submodule_search_locations", None) or []) + \
+                ([os.path.dirname(spec.origin)] if spec is not None and spec.origin else []):
+            out.append((_real(d), root))
+    out.append((_real(REPO_ROOT / "references"), "references"))
+    if workspace is not None:
+        out.append((_real(Path(workspace) / "references"), "references"))
+    return sorted(set(out))
+
+
+def code_roots(engine_dir: Path) -> list[str]:
+    """Where module files may come from: the standard library, the installed packages (the site dirs and the
+    harness's ``sys.path`` entries, except the repository root, under which only the harness counts), the
+    harness, engine/, and the compile caches torch writes generated code into (Inductor's and Triton's)."""
+    paths = sysconfig.get_paths()
+    roots = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    roots += list(getattr(site, "getsitepackages", lambda: [])())
+    roots += [p for p in sys.path if p and os.path.isabs(p) and _real(p) != _real(REPO_ROOT)]
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's own default cache dir name
+    except (KeyError, OSError):
+        user = "unknown"
+    roots.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))
+    roots.append(os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton"))
+    roots += [str(HARNESS_DIR), str(engine_dir)]
+    return sorted({_real(r) for r in roots})
+
+
+def build_policy(engine_dir: Path, own_out: Path, init: Path | None, golden_root: Path, workspace: Path,
+                 ladder_dir: Path, data_dir: str | None = None) -> Policy:
+    """The policy of one candidate run: ``own_out`` is its output dir, ``init`` the copy of the reference's init
+    weights it starts from, ``golden_root`` the run's goldens, ``ladder_dir`` the ladder run's dir (the judge's
+    files), ``data_dir`` the data cache the harness prepares batches in (read and written by the harness's loader
+    in this process; allowed)."""
+    forbidden = forbidden_package_dirs(workspace)
+    cache = [_real(sys.pycache_prefix)] if sys.pycache_prefix else []  # the forge run's bytecode cache
+    data = [_real(data_dir)] if data_dir else []
+    read_allow = [_real(own_out), _real(engine_dir)] + ([_real(init)] if init is not None else []) + cache + data
+    read_deny = [(_real(golden_root), 1), (_real(ladder_dir), 1)] + [(d, 2) for d, _ in forbidden]
+    write_deny = [(_real(REPO_ROOT / d), 4) for d in GATE_DIRS] + [(_real(workspace), 3), (_real(golden_root), 1),
+                                                                      (_real(ladder_dir), 1)] + [(c, 3) for c in cache]
+    installed = frozenset(r for _, r in forbidden)
+    return Policy(_real(engine_dir), tuple(read_allow), (_real(own_out),) + tuple(data), tuple(read_deny),
+                  tuple(write_deny), tuple(forbidden), installed, tuple(code_roots(engine_dir)))
+
+
+def _verdict_for(policy: Policy, path: str, write: bool) -> int | None:
+    """The escape class a touch of ``path`` names, or None when it is allowed. The most specific rule wins."""
+    best: tuple[int, int | None] = (-1, None)
+    for root in (policy.write_allow if write else policy.read_allow):
+        if _under(path, root) and len(root) > best[0]:
+            best = (len(root), None)
+    for root, cls in (policy.write_deny if write else policy.read_deny):
+        if _under(path, root) and len(root) > best[0]:
+            best = (len(root), cls)
+    return best[1]
+
+
+def install(policy: Policy, fd: int):
+    """Install the audit hook, reporting to ``fd``, and snapshot the harness. Returns ``finish()``: the checks
+    after the run, which also writes the closing ``{"done": true}`` line."""
+    write, exit_, fstat, getframe, get_ident = os.write, os._exit, os.fstat, sys._getframe, threading.get_ident
+    dumps, stat0 = json.dumps, os.fstat(fd)
+    ident = (stat0.st_dev, stat0.st_ino)
+    busy: set = set()
+    here = __file__
+    stdlib = tuple(_real(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
+    purelib = tuple(_real(sysconfig.get_paths()[k]) for k in ("purelib", "platlib"))
+
+    def emit(obj: dict) -> None:
+        try:
+            st = fstat(fd)
+            if (st.st_dev, st.st_ino) != ident:
+                exit_(CHANNEL_LOST)
+            write(fd, (dumps(obj, default=str) + "\n").encode())
+        except OSError:
+            exit_(CHANNEL_LOST)
+
+    def is_stdlib(fn: str) -> bool:
+        return fn.startswith("<frozen") or (any(_under(fn, r) for r in stdlib)
+                                            and not any(_under(fn, r) for r in purelib))
+
+    def in_engine(fn: str) -> bool:
+        return bool(fn) and not fn.startswith("<") and _under(_real(fn), policy.engine_dir)
+
+    def direct_caller() -> str:
+        f = getframe(1)
+        while f is not None and f.f_code.co_filename == here:
+            f = f.f_back
+        return f.f_code.co_filename if f is not None else ""
+
+    def first_outside_stdlib() -> str:
+        f = getframe(1)
+        while f is not None and (f.f_code.co_filename == here or is_stdlib(f.f_code.co_filename)):
+            f = f.f_back
+        return f.f_code.co_filename if f is not None else ""
+
+    def violation(cls: int, what: str, block: bool = True) -> None:
+        emit({"violation": {"class": cls, "what": what}})
+        if block:
+            raise PermissionError(f"forge sandbox: {what}")
+
+    def touch(path, write_: bool, event: str) -> None:
+        if isinstance(path, int) or path is None:
+            return
+        p = _real(path)
+        cls = _verdict_for(policy, p, write_)
+        if cls is not None:
+            violation(cls, f"{'wrote' if write_ else 'read'} {p} ({event})")
+
+    def handle(event: str, args: tuple) -> None:
+        if event == "import":
+            name = str(args[0])
+            if name.split(".")[0] in policy.installed_forbidden:
+                violation(2, f"import of {name}")
+        elif event == "exec":
+            fn = getattr(args[0], "co_filename", "") or ""
+            if fn and not fn.startswith("<") and (os.path.isabs(fn) or os.path.exists(fn)):
+                real = _real(fn)
+                for d, root in policy.forbidden_dirs:
+                    if _under(real, d):
+                        violation(2, f"code of {root} executed ({real})")
+                if not any(_under(real, r) for r in policy.code_roots):
+                    violation(3, f"module code from {real}, outside engine/ and the installed packages")
+            if in_engine(direct_caller()):
+                violation(2, f"exec() from engine code ({direct_caller()})")
+        elif event == "compile":
+            if in_engine(direct_caller()):
+                violation(2, f"compile() of source from engine code ({direct_caller()})")
+        elif event == "open":
+            mode, flags = (args[1] if len(args) > 1 else None), (args[2] if len(args) > 2 else 0)
+            w = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
+            touch(args[0], w, "open")
+        elif event in _WRITES or event in _READS:
+            for i in _WRITES.get(event, ()):
+                if i < len(args):
+                    touch(args[i], True, event)
+            for i in _READS.get(event, ()):
+                if i < len(args):
+                    touch(args[i], False, event)
+        elif event in _SPAWN:
+            caller = first_outside_stdlib()
+            if in_engine(caller):
+                violation(2, f"a process started from engine code ({event} in {caller}); the guard cannot see "
+                             f"what it imports")
+        elif event in _ENGINE_ONLY:
+            caller = first_outside_stdlib()
+            if in_engine(caller):
+                violation(_ENGINE_ONLY[event], f"{event} from engine code ({caller})")
+        elif event in _ENGINE_DIRECT:
+            caller = direct_caller()
+            if in_engine(caller):
+                violation(_ENGINE_DIRECT[event], f"{event} from engine code ({caller})")
+        elif event == "object.__setattr__" and len(args) > 1 and args[1] in ("__code__", "__defaults__",
+                                                                             "__kwdefaults__"):
+            target = args[0]
+            if isinstance(target, types.FunctionType) and _under(_real(target.__code__.co_filename), str(HARNESS_DIR)):
+                violation(1, f"{target.__module__}.{target.__qualname__}.{args[1]} replaced")
+
+    def hook(event: str, args: tuple) -> None:
+        tid = get_ident()
+        if tid in busy:
+            return
+        busy.add(tid)
+        try:
+            handle(event, args)
+        finally:
+            busy.discard(tid)
+
+    snap = _snapshot()
+    sys.addaudithook(hook)
+
+    def finish() -> None:
+        busy.add(get_ident())  # the checks below read files (module paths); they are the harness's own
+        for cls, what in end_checks(policy, snap):
+            emit({"violation": {"class": cls, "what": what}})
+        emit({"done": True})
+
+    return finish
+
+
+# ---------------------------------------------------------------------------------------------------- after the run
+
+def _harness_modules() -> list[tuple[str, types.ModuleType]]:
+    return [(n, m) for n, m in list(sys.modules.items())
+            if (n == "forgetrain" or n.startswith("forgetrain.")) and isinstance(m, types.ModuleType)]
+
+
+def _checked(v) -> bool:
+    """Attributes whose identity the snapshot checks: code (functions, classes, modules, descriptors)."""
+    return callable(v) or isinstance(v, (types.ModuleType, staticmethod, classmethod, property))
+
+
+def _snapshot() -> dict:
+    """Identity of every callable attribute of the loaded harness modules and of the classes they define."""
+    snap = {}
+    for name, mod in _harness_modules():
+        attrs = {k: v for k, v in vars(mod).items() if _checked(v)}
+        classes = {k: {a: b for a, b in vars(v).items() if _checked(b)} for k, v in attrs.items()
+                   if isinstance(v, type) and v.__module__ == name}
+        snap[name] = (mod, attrs, classes)
+    return snap
+
+
+def _submodule_binding(name: str, attr: str, value) -> bool:
+    """The import system binds ``pkg.sub`` on ``pkg`` when it imports the submodule: not a rebinding."""
+    return isinstance(value, types.ModuleType) and value.__name__ == f"{name}.{attr}" and \
+        sys.modules.get(value.__name__) is value
+
+
+def _engine_code(v, engine_dir: str) -> bool:
+    f = getattr(v, "__func__", v)
+    code = getattr(f, "__code__", None)
+    return code is not None and _under(_real(code.co_filename), engine_dir)
+
+
+def end_checks(policy: Policy, snap: dict) -> list[tuple[int, str]]:
+    """(class, what) of every violation visible after the run (see the module docstring)."""
+    out: list[tuple[int, str]] = []
+    for name, mod in list(sys.modules.items()):
+        if name.split(".")[0] in FORBIDDEN_ROOTS:
+            out.append((2, f"module {name} is loaded"))
+            continue
+        fn = getattr(mod, "__file__", None)
+        if not isinstance(fn, str) or not (os.path.isabs(fn) or os.path.exists(fn)):
+            continue  # no file, or a label (torch.ops says "_ops.py")
+        real = _real(fn)
+        if name == CANDIDATE_PACKAGE or name.startswith(CANDIDATE_PACKAGE + "."):
+            if not (real.endswith(".py") and _under(real, policy.engine_dir)):
+                out.append((3, f"candidate module {name} loaded from {real}, not from a .py file in engine/"))
+        elif any(_under(real, d) for d, _ in policy.forbidden_dirs):
+            out.append((2, f"module {name} loaded from {real}"))
+        elif not any(_under(real, r) for r in policy.code_roots):
+            out.append((3, f"module {name} loaded from {real}, outside engine/ and the installed packages"))
+    for name, mod in _harness_modules():
+        fn = getattr(mod, "__file__", None)
+        if not (isinstance(fn, str) and _under(_real(fn), str(HARNESS_DIR))):
+            out.append((1, f"module {name} is not the harness's own file ({fn})"))
+            continue
+        if name in snap:
+            old_mod, attrs, classes = snap[name]
+            if mod is not old_mod:
+                out.append((1, f"sys.modules['{name}'] replaced"))
+                continue
+            now = vars(mod)
+            out += [(1, f"{name}.{k} rebound") for k, v in attrs.items() if now.get(k) is not v
+                    and not _submodule_binding(name, k, now.get(k))]
+            for cname, members in classes.items():
+                cur = vars(attrs[cname])
+                out += [(1, f"{name}.{cname}.{a} rebound") for a, b in members.items() if cur.get(a) is not b]
+        for k, v in list(vars(mod).items()):
+            if _engine_code(v, policy.engine_dir):
+                out.append((1, f"{name}.{k} bound to engine code"))
+            if isinstance(v, type) and v.__module__ == name:
+                out += [(1, f"{name}.{k}.{a} bound to engine code") for a, b in list(vars(v).items())
+                        if _engine_code(b, policy.engine_dir)]
+    return sorted(set(out))

@@ -1,0 +1,210 @@
+"""The forge's sandbox: the escape classes its rejections name, and the checks that run outside the candidate.
+
+A hostile agent has four ways to get a wrong engine sealed (docs/forge.md, threat model). Each rejection names
+its class (:func:`reason`), defined once here:
+
+1. *candidate code reaching into the judge* -- rebinding the verdict functions, patching the reference engine,
+   reading or rewriting the goldens. Closed by process separation: the goldens are made first by a process that
+   runs only the reference (``forgetrain.forge._golden``), the candidate runs in a process of its own that only
+   writes its trace (``forgetrain.forge._candidate``), and the verdict is computed by the ladder process, which
+   never imports candidate code and only reads traces (``forgetrain.forge._ladder``). What the candidate does to
+   the harness in its own process is reported by the run-time guard (:mod:`forgetrain.forge.runtime_guard`).
+2. *an import the guard cannot see* -- ``references``, names built at run time, ``exec`` of a string, a child
+   process. The static scan (:mod:`forgetrain.guard`) rejects what it can see; the run-time guard rejects any
+   load of a forbidden module in the candidate's process.
+3. *code that runs but was never scanned* -- bytecode or native modules beside the scanned source, modules from
+   outside ``engine/``, an engine rewritten while it is judged. Bytecode is refused in the workspace
+   (:func:`unscanned_files`); the candidate's modules are compiled from their ``.py`` source only
+   (``workspace.load_engine_class``); and every forge process uses a private bytecode cache that starts empty
+   and that only the harness writes (:func:`sandbox_env`), so no ``__pycache__`` anyone else wrote runs.
+4. *an edit outside the hashed gate set* -- the hashed set is everything of the repository that the judge or the
+   candidate's process imports or reads (:func:`gate_paths`: all of ``forgetrain/``, ``references/``,
+   ``conf/``, ``tests/``, plus the interpreter's site hooks); a change aborts the run and names the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import json
+import os
+import shutil
+import site
+import tempfile
+from pathlib import Path
+
+from forgetrain.forge import workspace as wsmod
+from forgetrain.forge.runtime_guard import GATE_DIRS, REPO_ROOT
+from forgetrain.guard import scan_tree_findings
+
+ESCAPE_CLASSES = {
+    1: "candidate code reaching into the judge",
+    2: "an import the guard cannot see",
+    3: "code that runs but was never scanned",
+    4: "an edit outside the hashed gate set",
+}
+GUARD_LABELS = {1: "rejected: reaches into the judge", 2: "rejected: forbidden import",
+                3: "rejected: unscanned code", 4: "rejected: gates changed"}
+BYTECODE_SUFFIXES = tuple(sorted({".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll",
+                                  *importlib.machinery.EXTENSION_SUFFIXES,
+                                  *importlib.machinery.BYTECODE_SUFFIXES}))
+_NOT_JUDGED = (".git", ".gate")  # the workspace's git dir and the agent's scratch: never loaded by the gates
+
+
+def reason(cls: int, detail: str) -> str:
+    """A rejection line naming its escape class: ``escape class 2 (an import the guard cannot see): ...``."""
+    return f"escape class {cls} ({ESCAPE_CLASSES[cls]}): {detail}"
+
+
+# ---------------------------------------------------------------------------------------------------- class 4
+
+def site_hooks() -> list[Path]:
+    """Files that every Python process of this interpreter runs at start-up: ``*.pth``, ``sitecustomize.py`` and
+    ``usercustomize.py`` in the site directories."""
+    dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+    out = []
+    for d in map(Path, dict.fromkeys(dirs)):
+        if d.is_dir():
+            out += sorted(d.glob("*.pth")) + [d / n for n in ("sitecustomize.py", "usercustomize.py")
+                                             if (d / n).exists()]
+    return out
+
+
+def gate_paths(root: Path = REPO_ROOT) -> list[Path]:
+    """The hashed gate set: ``root``'s ``forgetrain/``, ``references/``, ``conf/`` and ``tests/`` (everything the
+    judge or the candidate's process imports or reads from the repository), and the interpreter's site hooks."""
+    return [root / d for d in GATE_DIRS] + site_hooks()
+
+
+def stat_signature(paths: list[Path]) -> dict[str, tuple]:
+    """(inode, size, mtime_ns, ctime_ns) of every file under ``paths``: any write, replacement or restored mtime
+    changes it (a process cannot set ctime back), for one ``stat`` per file instead of reading it. Used while a
+    candidate runs, where hashing a large golden twice per run would cost more than the run."""
+    out = {}
+    for root in map(Path, paths):
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+        for f in files:
+            st = f.stat()
+            out[str(f)] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- class 3
+
+def unscanned_files(ws: Path) -> list[str]:
+    """Workspace paths (relative) of bytecode caches, compiled bytecode and native modules, outside ``.git/`` and
+    ``.gate/``: code the scan never read. Git ignores them, so the filesystem is walked."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(ws):
+        rel = Path(dirpath).relative_to(ws)
+        if rel.parts[:1] and rel.parts[0] in _NOT_JUDGED:
+            dirnames[:] = []
+            continue
+        for d in dirnames:
+            if d == "__pycache__":
+                out.append(str(rel / d) + "/")
+        out += [str(rel / f) for f in filenames if f.endswith(BYTECODE_SUFFIXES) and "__pycache__" not in rel.parts]
+    return sorted(out)
+
+
+def remove_unscanned(ws: Path) -> None:
+    """Delete what :func:`unscanned_files` lists (git's revert leaves ignored files alone)."""
+    for rel in unscanned_files(ws):
+        p = ws / rel
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def private_cache(cache_dir: Path | None = None):
+    """``cache_dir`` when given, else a new, empty bytecode cache dir removed afterwards."""
+    if cache_dir is not None:
+        yield Path(cache_dir)
+        return
+    d = tempfile.mkdtemp(prefix="forge-pycache-")
+    try:
+        yield Path(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def fresh_cache(cache_dir: Path) -> Path:
+    """Empty ``cache_dir`` (a forge run's private bytecode cache) and return it."""
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    return cache_dir
+
+
+def sandbox_env(cache_dir: Path, *, writable: bool, base: dict | None = None) -> dict:
+    """The environment of a forge process: the repository first on ``PYTHONPATH``; ``cache_dir`` as the whole
+    bytecode cache (``PYTHONPYCACHEPREFIX``: no ``__pycache__`` of the repository, the workspace or the installed
+    packages is ever read), which only the harness's own processes write (``writable``; a candidate's process gets
+    ``PYTHONDONTWRITEBYTECODE`` and its guard refuses writes there); no script dir or cwd on ``sys.path``
+    (``PYTHONSAFEPATH``), no user site, and none of the agent round's ``FORGE_*`` variables."""
+    env = {k: v for k, v in (os.environ if base is None else base).items()
+           if not k.startswith("FORGE_") and k not in ("PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONUSERBASE",
+                                                       "PYTHONDONTWRITEBYTECODE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(PYTHONPYCACHEPREFIX=str(cache_dir), PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1")
+    if not writable:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if "FORGE_PYTHON" in os.environ:
+        env["FORGE_PYTHON"] = os.environ["FORGE_PYTHON"]  # the interpreter of the forge's processes
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------- the round
+
+def guard_round(ws: Path, rows: list[tuple[str, str]]) -> tuple[str, list[str]]:
+    """Judge an agent round's edits before any gate runs: ``rows`` are git's changed paths. Returns (label,
+    problems): ``ok``; ``syntax error``; ``rejected: writes outside engine/``; or a rejection naming its escape
+    class (bytecode or native modules: class 3; forbidden or hidden imports, ``exec``: class 2)."""
+    outside, links = wsmod.outside_engine(rows), wsmod.engine_symlinks(ws)
+    if outside or links:
+        return "rejected: writes outside engine/", [f"write outside engine/: {x}" for x in outside] + \
+            [f"symlink in engine/: {x}" for x in links]
+    unscanned = unscanned_files(ws)
+    if unscanned:
+        return GUARD_LABELS[3], [reason(3, f"{x}: bytecode or a native module beside the scanned source (only .py "
+                                           f"source runs; the agent's Python writes no bytecode)") for x in unscanned]
+    try:
+        found = scan_tree_findings(ws / wsmod.ENGINE_DIR)
+    except SyntaxError as e:
+        where = os.path.relpath(e.filename, ws) if e.filename else "?"
+        return "syntax error", [f"{where}:{e.lineno}: {e.msg}"]
+    if found:
+        return GUARD_LABELS[2], [reason(2, f"{'forbidden import ' if f.kind == 'import' else ''}"
+                                           f"{os.path.relpath(f.file, ws)}:{f.line}: {f.what}") for f in found]
+    return "ok", []
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+
+def read_report(lines: list[str]) -> dict:
+    """Parse the candidate process's report lines (:mod:`forgetrain.forge.runtime_guard`): ``violations`` [(class,
+    what)], ``error`` and ``traceback`` when the candidate raised, ``done`` when the run finished its checks.
+    Lines that are not the protocol's are ignored (the candidate may write to the pipe too, which only adds)."""
+    rep: dict = {"violations": [], "error": None, "traceback": None, "done": False}
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        v = obj.get("violation")
+        if isinstance(v, dict) and v.get("class") in ESCAPE_CLASSES:
+            rep["violations"].append((int(v["class"]), str(v.get("what"))))
+        if obj.get("error") and rep["error"] is None:
+            rep["error"], rep["traceback"] = str(obj["error"]), str(obj.get("traceback") or "")
+        if obj.get("done") is True:
+            rep["done"] = True
+    return rep
+
+
+def rejection(violations: list[tuple[int, str]], where: str) -> dict:
+    """The ``rejected`` entry of a ladder result: the first violation's class sets the label; every violation is a
+    problem line naming its class."""
+    seen = list(dict.fromkeys(violations))
+    cls = seen[0][0]
+    return {"class": cls, "guard": GUARD_LABELS[cls],
+            "problems": [reason(c, f"{w} [{where}]") for c, w in seen[:50]]}
