@@ -325,3 +325,18 @@ def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
     assert "too few timings" not in res["verdicts"][-1]["summary"]  # 10 per side, 20 for the candidate
     gdir = next((tmp_path / "golden").rglob("seed_1234"))
     assert (gdir / "trace" / "trace.jsonl").is_file()
+
+
+def test_workspace_gets_every_tier_module_read_only(tmp_path):
+    """The agent's read-only copy of the tier rules holds the registry and every tier module (they live in a
+    subpackage), at their relative paths."""
+    from forgetrain.equivalence import registry
+
+    (tmp_path / "spec.json").write_text("{}")
+    ws = tmp_path / "ws"
+    wsmod.seed(ws, "llama_tiny_cpu", None, "megatron", tmp_path / "spec.json")
+    eq = ws / "gates" / "equivalence"
+    assert (eq / "registry.py").is_file()
+    for t in registry.TIERS:
+        mod = t.runner.partition(":")[0].removeprefix("forgetrain.equivalence.")
+        assert (eq / (mod.replace(".", "/") + ".py")).is_file(), t.name

@@ -21,15 +21,31 @@ import sys
 import traceback
 from pathlib import Path
 
-SHORT = ("bitwise", "tolerance")
-CURVE = ("loss_curve", "surpass")
+def _is_pair(tier: str) -> bool:
+    """Whether ``tier`` is a pair tier (one short reference run, its own golden) in the tier registry."""
+    from forgetrain.equivalence import registry
+
+    return registry.find(tier).kind == registry.PAIR
+
+
+def curve_tier_of(tier: str) -> str:
+    """The curve tier whose seeds' golden ``tier`` (a curve or speed tier) is judged against: itself, or the
+    curve tier a speed tier rests on."""
+    from forgetrain.equivalence import registry
+
+    t = registry.find(tier)
+    return t.name if t.kind == registry.CURVE else t.rests_on
 
 
 def golden_tiers(spec: dict) -> list[str]:
-    """The tiers whose goldens a ladder run of ``spec`` needs: the short tiers it tries, and ``loss_curve`` (one
-    golden for loss_curve and surpass) when it tries either curve tier."""
-    tiers = [t for t in spec["tiers"] if t in SHORT]
-    return tiers + (["loss_curve"] if any(t in CURVE for t in spec["tiers"]) else [])
+    """The tiers whose goldens a ladder run of ``spec`` needs: each pair tier it tries, and the curve tier of each
+    curve or speed tier it tries (one golden serves a curve tier and the speed tier resting on it)."""
+    out = []
+    for t in spec["tiers"]:
+        g = t if _is_pair(t) else curve_tier_of(t)
+        if g not in out:
+            out.append(g)
+    return out
 
 
 def golden_location(rc, vcfg, tier: str) -> Path:
@@ -37,7 +53,7 @@ def golden_location(rc, vcfg, tier: str) -> Path:
     ``golden_root`` by the caller)."""
     import forgetrain.verify as fv
 
-    return fv.golden_dir(rc, tier) if tier in SHORT else fv.curve_golden_dir(rc, vcfg)
+    return fv.golden_dir(rc, tier) if _is_pair(tier) else fv.curve_golden_dir(rc, vcfg)
 
 
 def missing_goldens(rc, vcfg, spec: dict) -> list[str]:
@@ -45,9 +61,11 @@ def missing_goldens(rc, vcfg, spec: dict) -> list[str]:
     out = []
     for tier in golden_tiers(spec):
         g = golden_location(rc, vcfg, tier)
-        if tier in SHORT:
+        if _is_pair(tier):
+            from forgetrain.equivalence import registry
+
             need = [g / "trace" / "trace.jsonl", g / "init.safetensors"]
-            if tier == "tolerance" and rc.train.precision != "fp32":
+            if registry.find(tier).oracle and rc.train.precision != "fp32":
                 need.append(g / "oracle_fp32" / "trace" / "trace.jsonl")
         else:
             need = [g / f"seed_{s}" / "trace" / "trace.jsonl" for s in vcfg.seeds]

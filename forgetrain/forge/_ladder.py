@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 from forgetrain.equivalence.registry import TIER_ORDER  # the one tier order (a live view of the registry)
+from forgetrain.forge._golden import _is_pair, curve_tier_of, golden_location
 
 
 def tiers_to_try(ladder_from: str, target: str) -> list[str]:
@@ -49,8 +50,14 @@ def tiers_to_try(ladder_from: str, target: str) -> list[str]:
     return list(TIER_ORDER[lo:hi + 1])
 
 
+def _is_speed(tier: str) -> bool:
+    from forgetrain.equivalence import registry
+
+    return registry.find(tier).kind == registry.SPEED
+
+
 def target_met(target: str, strictest: str | None, surpassed: bool | None) -> bool:
-    if target == "surpass":
+    if _is_speed(target):
         return bool(surpassed)
     return strictest is not None and TIER_ORDER.index(strictest) <= TIER_ORDER.index(target)
 
@@ -172,7 +179,7 @@ def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
         import forgetrain.verify as fv
         from forgetrain.config import to_run_config
         from forgetrain.errors import ConfigError
-        from forgetrain.forge._golden import golden_location, missing_goldens
+        from forgetrain.forge._golden import missing_goldens
         from forgetrain.trace import atomic_write_json
         from forgetrain.train import versions
 
@@ -197,13 +204,13 @@ def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
             if missing_goldens(rc, vcfg, spec):
                 raise RuntimeError(f"the reference's side ran but left goldens missing: {missing_goldens(rc, vcfg, spec)}")
         target = spec["target_tier"]
-        tiers = [t for t in spec["tiers"] if t not in ("loss_curve", "surpass")] if target == "surpass" \
-            else list(spec["tiers"])
+        # a speed target's own run judges its curve tier too: the ladder leaves both to it
+        tiers = [t for t in spec["tiers"] if _is_pair(t)] if _is_speed(target) else list(spec["tiers"])
         last_eq, golden_used = None, None
         for tier in tiers:
             res["tiers_tried"].append(tier)
             gdir = golden_location(rc, vcfg, tier)
-            short = tier in ("bitwise", "tolerance")
+            short = _is_pair(tier)
             init = _link_or_copy(gdir / "init.safetensors", out / tier / "init.safetensors") if short else None
             res["rejected"] = sides.candidate(tier, out / tier / "candidate", init)  # 2. the candidate
             if res["rejected"]:
@@ -212,15 +219,15 @@ def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
             refs = [gdir / "trace"] if short else fv._curve_golden_traces(gdir, vcfg)
             oracle = gdir / "oracle_fp32" / "trace"
             verdicts = fv.judge(tier, fv.tier_config(tier, vcfg.reference), refs, cand, out / tier,
-                                oracle=oracle if tier == "tolerance" and oracle.is_dir() else None)
+                                oracle=oracle if oracle.is_dir() else None)
             res["verdicts"] += [v.to_dict() for v in verdicts]
             last_eq, golden_used = tier, (gdir if short else None)
             if verdicts[-1].passed:
                 res["strictest_passed"] = tier
                 break
-        if target == "surpass" and not res["rejected"]:
-            res["tiers_tried"].append("surpass")
-            _surpass(res, sides, rc, vcfg, out, golden_location(rc, vcfg, "loss_curve"))
+        if _is_speed(target) and not res["rejected"]:
+            res["tiers_tried"].append(target)
+            _surpass(res, sides, rc, vcfg, out, target)
         if last_eq is not None and not res["rejected"]:
             res["metrics"].update(_metrics(out, last_eq, golden_used))
         res["target_met"] = not res["rejected"] and target_met(target, res["strictest_passed"], res["surpassed"])
@@ -236,33 +243,36 @@ def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
     return res
 
 
-def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, gdir: Path) -> None:
-    """The surpass gate: the candidate's loss-curve run, then A-B-A timing (candidate, reference, candidate), each
-    block in a process of its own; the verdicts come from the traces and the step times."""
+def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str) -> None:
+    """The gate of the speed tier ``speed`` (surpass): the candidate's run of the curve tier it rests on, then A-B-A
+    timing (candidate, reference, candidate), each block in a process of its own; the verdicts come from the
+    traces and the step times."""
     import forgetrain.verify as fv
 
-    d = out / "surpass"
-    res["rejected"] = sides.candidate("surpass", d / "candidate", None)
+    curve = curve_tier_of(speed)
+    gdir = golden_location(rc, vcfg, curve)
+    d = out / speed
+    res["rejected"] = sides.candidate(speed, d / "candidate", None)
     if res["rejected"]:
         return
     t_cand = []
     for block in ("a1", "a2"):
         if block == "a2":
             sides.golden("--time-steps", str(vcfg.timing_steps), "--times", str(d / "reference_times.json"))
-        res["rejected"] = sides.candidate("surpass", d / f"timing_{block}", None, time_steps=vcfg.timing_steps)
+        res["rejected"] = sides.candidate(speed, d / f"timing_{block}", None, time_steps=vcfg.timing_steps)
         if res["rejected"]:
             return
         t_cand += json.loads((d / f"timing_{block}" / "times.json").read_text())
     t_ref = json.loads((d / "reference_times.json").read_text())
-    verdicts = fv.judge("surpass", fv.tier_config("surpass", vcfg.reference), fv._curve_golden_traces(gdir, vcfg),
+    verdicts = fv.judge(speed, fv.tier_config(speed, vcfg.reference), fv._curve_golden_traces(gdir, vcfg),
                         d / "candidate" / "trace", d, times=(t_ref, t_cand))
     res["verdicts"] += [v.to_dict() for v in verdicts]
-    lc = next((v for v in verdicts if v.tier == "loss_curve"), None)
+    lc = next((v for v in verdicts if v.tier == curve), None)
     if res["strictest_passed"] is None and lc is not None and lc.passed:
-        res["strictest_passed"] = "loss_curve"
+        res["strictest_passed"] = curve
     res["surpassed"] = verdicts[-1].passed
     sv = verdicts[-1].evidence
-    res["metrics"]["surpass"] = {k: sv.get(k) for k in ("speedup", "noise", "median_ref_step_s",
+    res["metrics"][speed] = {k: sv.get(k) for k in ("speedup", "noise", "median_ref_step_s",
                                                          "median_cand_step_s") if k in sv}
 
 

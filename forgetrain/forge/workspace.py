@@ -88,13 +88,15 @@ def _copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*_SKIP, "*.pyc"), dirs_exist_ok=True)
 
 
-def gate_sources(reference: str) -> dict[str, list[Path]]:
-    """Read-only material copied into the workspace: workspace subdir -> source files."""
+def gate_sources(reference: str) -> dict[str, tuple[Path, list[Path]]]:
+    """Read-only material copied into the workspace: workspace subdir -> (source root, files under it). Files keep
+    their path relative to the root (the tier modules live in ``equivalence/tiers/``)."""
     eq = REPO_ROOT / "forgetrain" / "equivalence"
     ref = REPO_ROOT / "references" / reference
-    return {"gates/tier": sorted((REPO_ROOT / "conf" / "tier").glob("*.yaml")),
-            "gates/equivalence": sorted(eq.glob("*.py")),
-            f"references/{reference}": sorted(ref.glob("*.py")) + sorted(ref.glob("*.md"))}
+    tier = REPO_ROOT / "conf" / "tier"
+    return {"gates/tier": (tier, sorted(tier.glob("*.yaml"))),
+            "gates/equivalence": (eq, sorted(eq.rglob("*.py"))),
+            f"references/{reference}": (ref, sorted(ref.glob("*.py")) + sorted(ref.glob("*.md")))}
 
 
 def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_spec: Path) -> dict:
@@ -130,10 +132,11 @@ def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_
         new = rewrite_scenario_imports(src_text, scenario)
         if new != src_text:
             f.write_text(new)
-    for sub, files in gate_sources(reference).items():
-        (ws / sub).mkdir(parents=True, exist_ok=True)
+    for sub, (root, files) in gate_sources(reference).items():
         for f in files:
-            shutil.copy2(f, ws / sub / f.name)
+            dst = ws / sub / f.relative_to(root)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst)
     shutil.copy2(ladder_spec, ws / "gates" / "ladder_spec.json")
     (ws / ".gitignore").write_text(GITIGNORE)
     (ws / "BRIEF.md").write_text("# brief\n(written by the harness each round)\n")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 10 (one H200): the forge sandbox (issue 14) on the GPU scenario. A baseline forge round of
+# Device call 13 (one H200): the forge sandbox (issue 14) on the GPU scenario. A baseline forge round of
 # llama1b_h200 at a small shape, target tolerance: the reference's golden, the candidate under the run-time guard
 # and the verdict from the traces, each in a process of its own. Checks that honest compiled candidates are not
 # rejected by the guard (torch.compile's Inductor/Triton code, the Triton kernels of forgetrain.kernels):
