@@ -294,9 +294,10 @@ def _engine_info(eng) -> dict | None:
 
 
 def _bytes_per_engine(cfg: RunConfig) -> float:
-    from forgetrain.metrics import param_counts
+    """The forged engine's estimated step footprint (``forgetrain.memory.estimate``), bytes per GPU."""
+    from forgetrain.memory import estimate
 
-    return param_counts(cfg.model)["total"] * 18.0  # bf16 weights + fp32 main, grad, Adam m and v
+    return float(estimate(cfg).total_bytes)
 
 
 def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None,

@@ -77,6 +77,8 @@ class TrainConfig:
     sample_prompt: str = "ROMEO."  # prompt for the end-of-run sample
     digests: bool = False  # record per-step param/grad digests in the trace (equivalence evidence)
     threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
+    # run even when forgetrain.memory's estimate exceeds the GPU's memory (otherwise refused before step 1)
+    skip_memory_check: bool = False
 
     def __post_init__(self):
         if self.lr_warmup_steps is None and isinstance(self.steps, int):
@@ -375,4 +377,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
     if cfg.logger.name not in ("none", "wandb"):
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
+    from forgetrain import memory
+
+    memory.check(cfg)  # last: a config that cannot fit the GPU is refused before any engine is built
     return cfg

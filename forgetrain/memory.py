@@ -1,0 +1,205 @@
+"""The device-memory estimate of a training step, and the loud check that refuses a config that cannot fit.
+
+One owner for the estimate (as ``forgetrain.metrics`` owns FLOPs/MFU): ``bench`` reads it to choose interleaved or
+sequential timing, ``config.validate`` runs :func:`check` before any engine is built.
+
+**What is modelled:** the forged Hopper engine (``scenarios/llama1b_h200/engine.py`` and ``fast.py``;
+``scenarios/llama8b_h100`` reuses it) with Megatron's mixed-precision recipe. All parts are bytes per GPU; ``a`` is
+the bytes of one compute element (2 under ``train.precision=bf16``, 4 under fp32); N the parameter count
+(``metrics.param_counts``); b micro-batch, s sequence, h hidden, f FFN width, L layers, V vocab, nq/nkv query/KV
+heads, d head dim; T = b*s tokens per micro-batch.
+
+=================  ===================================================================================
+model_weights      a * N                          (the bf16 working copy; under fp32 it *is* the main copy)
+main_weights       4 * N under bf16, 0 under fp32 (fp32 main weights)
+main_grads         4 * N                          (fp32 ``main_grad``; not sharded: the engine's DP buffer is full)
+adam_moments       8 * N / DP under ZeRO-1, else 8 * N (fp32 exp_avg and exp_avg_sq)
+autograd_grads     a * N unfused; with ``engine.grad_accum_fusion`` only the norm weights' a * (2L+1) * h
+                   (plus the LM head's a * V * h under ``kernels.cross_entropy=triton``, which keeps it on autograd)
+activations        L * T * [a * (4h + 2*nq*d + 2*nkv*d + 3f) + 4*nq]  +  2 * a * T * h          (fast mode)
+lm_head_ce         see below
+workspace          1 GiB (:data:`WORKSPACE_BYTES`)
+=================  ===================================================================================
+
+*Activations* count the tensors ``FastBlock.forward`` saves for backward, per token: the input-norm input x and the
+normed x fed to the QKV GEMM (2h); SDPA's saved q, k, v and output (nq*d + 2*nkv*d + nq*d) and its fp32
+logsumexp (4*nq bytes); the pre-MLP-norm input and the normed x fed to fc1 (2h); fc1's output [gate; up] saved by
+SiLU*up (2f) and SwiGLU's output fed to fc2 (f). Outside the blocks: the final-norm input and the chunked CE's
+saved ``dh`` (2h). RoPE saves only its shared cos/sin tables. In exact mode (Megatron's unfused attention,
+``scenarios/llama_tiny_cpu/model.py``) K and V are repeated to nq heads before the bmm, so the per-token attention
+term is 4*nq*d, and each layer also saves the fp32 softmax and its compute-dtype copy: b * nq * s^2 * (4 + a).
+
+*LM head and cross-entropy* (alive together with every activation: the CE is the last op of the forward and the
+first of the backward). With c = min(engine.ce_chunk_tokens, T):
+
+* ``chunked`` (fast): c * V * 4 -- the chunk's logits and its (softmax - onehot) grad, both in the compute dtype
+  (on CUDA the chunk's softmax is one compiled kernel; on CPU the eager chunk holds fp32 temporaries too, not
+  counted) -- plus, when there is more than one chunk and no fusion, the fp32 dW accumulator 4 * V * h (with one
+  chunk dW is the head's bf16 grad, already in autograd_grads);
+* ``triton``: c * V * 6 (its docstring: fp32 logits c*V*4 in the forward, about 1.5x that in the backward);
+* ``torch`` (fast) and exact mode: the full [T, V] logits, T * V * 12 -- compute-dtype logits, their fp32 copy,
+  the fp32 log-softmax (exact: softmax) saved for backward, and in the backward its fp32 grad (2 + 4 + 4 + 4 B,
+  rounded down to 12 because the bf16 logits are freed before the backward's grad exists).
+
+*Workspace* (1 GiB): cuBLAS workspaces (32 MiB per handle on Hopper), cuDNN attention workspace, the transient
+backward buffers of one block (dY of fc1 at [T, 2f]: 0.47 GiB for the 8B shape) and torch.compile scratch.
+
+**Not counted:** the CUDA context and allocator fragmentation (:func:`check` keeps :data:`RESERVE_BYTES` of the
+device for them); NCCL buffers under DP; tensor parallelism (the Hopper engine has none; for
+``llama_tiny_cpu``'s TP the estimate is not divided); under ZeRO-3 (FSDP2, ``llama_tiny_cpu`` only) the static
+parts are divided by DP. Every part is counted as alive at the same time, so the estimate errs high by up to the
+bf16 grads that in fact appear only as the backward frees activations.
+
+**Calibration:** ``docs/design.md`` ("Memory estimate") compares the estimate with every peak measured on the H200
+(``max_memory_allocated``): within about 10% on each row (+10.1% at most).
+
+**The check** (:func:`check`): on CUDA, or when ``FORGETRAIN_FAKE_DEVICE_GIB`` is set, a config whose estimate
+exceeds the device's total memory less :data:`RESERVE_BYTES` raises one-line ``ConfigError``;
+``train.skip_memory_check=true`` skips it. ``FORGETRAIN_FAKE_DEVICE_GIB=<GiB>`` (read only by :func:`check`)
+stands in for the device's capacity, so the refusal can be tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+
+from forgetrain.errors import ConfigError
+
+GIB = 2**30
+WORKSPACE_BYTES = 1 * GIB  # cuBLAS / cuDNN workspaces, one block's backward transients, compile scratch
+RESERVE_BYTES = 3 * GIB  # kept free of the estimate: CUDA context (~0.5 GiB) and allocator fragmentation
+FAKE_DEVICE_ENV = "FORGETRAIN_FAKE_DEVICE_GIB"  # capacity in GiB that stands in for the device's (tests)
+
+LABELS = {  # part -> how the check's message names it
+    "model_weights": "model weights", "main_weights": "fp32 main weights", "main_grads": "fp32 main grads",
+    "adam_moments": "Adam m and v", "autograd_grads": "autograd grads", "activations": "activations",
+    "lm_head_ce": "LM head + CE", "workspace": "workspace",
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU of each part of a training step (module doc for each formula)."""
+
+    model_weights: int
+    main_weights: int
+    main_grads: int
+    adam_moments: int
+    autograd_grads: int
+    activations: int
+    lm_head_ce: int
+    workspace: int
+
+    def parts(self) -> dict[str, int]:
+        """Part name -> bytes, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts().values())
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GIB
+
+    def biggest(self, n: int = 3) -> list[tuple[str, int]]:
+        """The ``n`` largest parts as (name, bytes), largest first (ties in declaration order)."""
+        return sorted(self.parts().items(), key=lambda kv: -kv[1])[:n]
+
+
+def estimate(cfg) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of one training step of ``cfg`` (a RunConfig) on one GPU; module doc for the
+    formulas, their sources and what is not counted. Works for any config and device (pure arithmetic)."""
+    from forgetrain.metrics import param_counts
+
+    m, t, p, e, k = cfg.model, cfg.train, cfg.parallel, cfg.engine, cfg.kernels
+    n = param_counts(m)["total"]
+    bf16 = t.precision == "bf16"
+    a = 2 if bf16 else 4
+    h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, m.vocab_size
+    nq, nkv, d = m.num_attention_heads, m.num_query_groups, m.head_dim
+    b, s = t.micro_batch_size, m.seq_length
+    tokens = b * s
+    fast = e.mode == "fast"
+    fused = fast and e.grad_accum_fusion
+    ce = k.cross_entropy if fast else "exact"
+    dp = p.data_parallel_size
+    static_div = dp if p.zero_stage == 3 else 1
+
+    if fused:
+        grads = a * (2 * L + 1) * h + (a * V * h if ce == "triton" else 0)
+    else:
+        grads = a * n
+    attn = 2 * nq * d + 2 * nkv * d if fast else 4 * nq * d
+    per_token_layer = a * (4 * h + attn + 3 * f) + (4 * nq if fast else 0)
+    acts = L * tokens * per_token_layer + 2 * a * tokens * h
+    if not fast:
+        acts += L * b * nq * s * s * (4 + a)
+    chunk = min(e.ce_chunk_tokens or tokens, tokens)
+    if ce == "chunked":
+        head = chunk * V * 2 * a
+        if math.ceil(tokens / chunk) > 1 and not fused:
+            head += 4 * V * h
+    elif ce == "triton":
+        head = chunk * V * 6
+    else:
+        head = tokens * V * 12
+    return MemoryEstimate(
+        model_weights=a * n // static_div,
+        main_weights=(4 * n if bf16 else 0) // static_div,
+        main_grads=4 * n // static_div,
+        adam_moments=8 * n // (dp if p.zero_stage in (1, 3) else 1),
+        autograd_grads=grads // static_div,
+        activations=acts,
+        lm_head_ce=head,
+        workspace=WORKSPACE_BYTES,
+    )
+
+
+def device_capacity_bytes(cfg) -> int | None:
+    """The capacity :func:`check` compares against: ``FORGETRAIN_FAKE_DEVICE_GIB`` GiB when set, else the CUDA
+    device's ``total_memory`` when ``hardware.device=cuda``, else None (nothing to check). Raises ConfigError for a
+    fake capacity that is not a positive number."""
+    fake = os.environ.get(FAKE_DEVICE_ENV)
+    if fake:
+        try:
+            gib = float(fake)
+        except ValueError:
+            gib = float("nan")
+        if not (math.isfinite(gib) and gib > 0):
+            raise ConfigError(f"{FAKE_DEVICE_ENV} must be a positive number of GiB, got '{fake}'")
+        return int(gib * GIB)
+    if cfg.hardware.device != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def refusal(est: MemoryEstimate, capacity: int) -> str | None:
+    """The one-line refusal when ``est`` exceeds ``capacity`` (bytes) less :data:`RESERVE_BYTES`, else None."""
+    usable = capacity - RESERVE_BYTES
+    if est.total_bytes <= usable:
+        return None
+    parts = ", ".join(f"{LABELS[k]} {v / GIB:.1f} GiB ({v / 1e9:.1f} GB)" for k, v in est.biggest(3))
+    return (f"this config needs an estimated {est.total_gib:.1f} GiB per GPU (biggest parts: {parts}) but the "
+            f"device has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; lower "
+            f"train.micro_batch_size, set engine.grad_accum_fusion=true (fast mode), shorten model.seq_length or "
+            f"use fewer model.num_layers (forgetrain/memory.py has the estimate; train.skip_memory_check=true "
+            f"runs anyway)")
+
+
+def check(cfg) -> None:
+    """Refuse ``cfg`` before any engine is built when its :func:`estimate` cannot fit the device (module doc).
+    Raises ConfigError with one line: the estimate, its three biggest parts, the capacity and what to change.
+    Nothing happens on CPU (unless ``FORGETRAIN_FAKE_DEVICE_GIB`` is set) or with ``train.skip_memory_check``."""
+    if cfg.train.skip_memory_check:
+        return
+    capacity = device_capacity_bytes(cfg)
+    if capacity is None:
+        return
+    line = refusal(estimate(cfg), capacity)
+    if line:
+        raise ConfigError(line)

@@ -1,0 +1,173 @@
+"""forgetrain.memory: the step memory estimate (hand-counted) and the loud check that refuses a config that cannot
+fit the GPU before the first step (faked device capacity: ``FORGETRAIN_FAKE_DEVICE_GIB``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forgetrain import memory
+from forgetrain.config import EngineOptions, KernelsConfig, ModelConfig, RunConfig, TrainConfig, validate
+from forgetrain.errors import ConfigError
+from forgetrain.memory import GIB, estimate
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["model=llama_micro", "train.steps=2", "train.lr_warmup_steps=1", "train.micro_batch_size=4",
+         "train.global_batch_size=8", "train.eval_interval=0", "train.sample_tokens=0", "train.save=false"]
+
+
+def _tiny(**engine) -> RunConfig:
+    """h 8, 1 layer, 2 query heads / 1 KV group (d 4), FFN 16, V 32, seq 4, micro-batch 2: T = 8 tokens."""
+    return RunConfig(
+        model=ModelConfig(vocab_size=32, hidden_size=8, num_layers=1, num_attention_heads=2, num_query_groups=1,
+                          ffn_hidden_size=16, seq_length=4),
+        train=TrainConfig(micro_batch_size=2, global_batch_size=2, precision="bf16"),
+        engine=EngineOptions(**{"mode": "fast", "ce_chunk_tokens": 4, **engine}),
+        kernels=KernelsConfig(cross_entropy="chunked"))
+
+
+# Parameters by hand: qkv (2+2)*4 x 8 = 128, proj 8x8 = 64, fc1 32x8 = 256, fc2 8x16 = 128, two norms 16 -> 592
+# per layer; embedding 256, LM head 256, final norm 8: N = 1112.
+N = 592 + 256 + 256 + 8
+
+
+def test_hand_count_fast_bf16_chunked():
+    e = estimate(_tiny())
+    assert e.model_weights == 2 * N
+    assert e.main_weights == 4 * N
+    assert e.main_grads == 4 * N
+    assert e.adam_moments == 8 * N
+    assert e.autograd_grads == 2 * N  # unfused: every weight's bf16 .grad
+    # per token per layer, bf16 elements: x 8, normed 8, q 8, k 4, v 4, o 8, x1 8, normed 8, fc1 out 32, act 16 = 104
+    # -> 208 B, + fp32 logsumexp 2 heads x 4 B = 216 B; x 8 tokens; + final-norm input and dh: 2 x 2 B x 8 x 8
+    assert e.activations == 216 * 8 + 2 * 2 * 8 * 8
+    # 2 chunks of 4 tokens: logits + grad 4 x 32 x (2 + 2) B, and the fp32 dW accumulator 32 x 8 x 4 B
+    assert e.lm_head_ce == 4 * 32 * 4 + 32 * 8 * 4
+    assert e.workspace == GIB
+    assert e.total_bytes == sum(e.parts().values())
+    assert e.total_gib == pytest.approx(e.total_bytes / 2**30)
+
+
+def test_hand_count_switches():
+    fused = estimate(_tiny(grad_accum_fusion=True))
+    assert fused.autograd_grads == 2 * (2 * 1 + 1) * 8  # only the 3 norm weights keep a bf16 .grad
+    assert fused.lm_head_ce == 4 * 32 * 4  # dW goes to main_grad: no fp32 accumulator
+    one_chunk = estimate(_tiny(ce_chunk_tokens=4096))
+    assert one_chunk.lm_head_ce == 8 * 32 * 4  # one chunk of all 8 tokens; its bf16 dW is the head's .grad
+    c = _tiny()
+    zero1 = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, data_parallel_size=2, zero_stage=1))
+    assert estimate(zero1).adam_moments == 8 * N // 2
+    assert estimate(zero1).main_grads == 4 * N  # the DP grad buffer is full on every rank
+    torch_ce = dataclasses.replace(c, kernels=KernelsConfig(cross_entropy="torch"))
+    assert estimate(torch_ce).lm_head_ce == 8 * 32 * 12
+    exact = _tiny(mode="exact")
+    e = estimate(exact)
+    # exact: q, repeated k and v, ctx = 4 x 8; + fp32 softmax and bf16 probs 2 x 2 heads x 4^2 x (4 + 2) B
+    assert e.activations == 2 * (4 * 8 + 4 * 8 + 3 * 16) * 8 + 2 * 2 * 8 * 8 + 2 * 2 * 16 * 6
+    fp32 = dataclasses.replace(c, train=dataclasses.replace(c.train, precision="fp32"))
+    e = estimate(fp32)
+    assert (e.model_weights, e.main_weights, e.autograd_grads) == (4 * N, 0, 4 * N)
+
+
+def _compose(overrides: list[str]) -> RunConfig:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from forgetrain.cli import CONF_DIR
+    from forgetrain.config import register_configs, to_run_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return to_run_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+LLAMA3_8B = ["scenario=llama8b_h100", "model=llama8b", "train.micro_batch_size=1", "train.global_batch_size=1"]
+
+
+def test_llama3_8b_full_depth_refused_on_h200(monkeypatch):
+    cfg = _compose(LLAMA3_8B)
+    assert (cfg.model.num_layers, cfg.model.seq_length, cfg.engine.grad_accum_fusion) == (32, 8192, False)
+    e = estimate(cfg)
+    # the issue's table: 8.03 B parameters -> fp32 main 32.1 GB, Adam m and v 64.2 GB, fp32 grads 32.1 GB
+    assert round(e.main_weights / 1e9, 1) == 32.1
+    assert round(e.adam_moments / 1e9, 1) == 64.2
+    assert round(e.main_grads / 1e9, 1) == 32.1
+    fp32_state = e.main_weights + e.adam_moments + e.main_grads
+    assert round(fp32_state / 1e9) == 128  # the issue's "128 GB (119.6 GiB)": 119.6 is 128.0 GB in GiB
+    assert fp32_state / GIB == pytest.approx(119.66, abs=0.01)
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "139")
+    with pytest.raises(ConfigError) as exc:
+        memory.check(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert f"estimated {e.total_gib:.1f} GiB" in msg
+    assert "Adam m and v 59.8 GiB (64.2 GB)" in msg and "fp32 main weights 29.9 GiB (32.1 GB)" in msg
+    assert "activations" in msg  # the three biggest: Adam, activations, fp32 main weights
+    assert "139.0 GiB" in msg and "train.micro_batch_size" in msg and "engine.grad_accum_fusion" in msg
+    assert "model.seq_length" in msg and "model.num_layers" in msg
+    # the override skips it; a device large enough passes it
+    memory.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, skip_memory_check=True)))
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "400")
+    memory.check(cfg)
+
+
+def test_cpu_is_not_checked(monkeypatch):
+    monkeypatch.delenv(memory.FAKE_DEVICE_ENV, raising=False)
+    cfg = _compose([*LLAMA3_8B, "hardware=cpu"])
+    assert memory.device_capacity_bytes(cfg) is None
+    validate(cfg)  # the 8B estimate exceeds any GPU, but on CPU nothing is checked
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "lots", "nan"])
+def test_bad_fake_capacity_is_refused(monkeypatch, bad):
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, bad)
+    with pytest.raises(ConfigError, match="FORGETRAIN_FAKE_DEVICE_GIB must be a positive number"):
+        memory.check(_tiny())
+
+
+def test_bench_footprint_is_the_estimate():
+    from forgetrain import bench
+
+    cfg = _compose(LLAMA3_8B)
+    assert bench._bytes_per_engine(cfg) == estimate(cfg).total_bytes
+
+
+def _cli(module: str, args: list[str], cwd: Path, fake_gib: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{memory.FAKE_DEVICE_ENV: fake_gib})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, text=True, capture_output=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("module,extra", [
+    ("forgetrain", []),
+    ("forgetrain.bench", ["bench.against=[]", "bench.out_dir={out}"]),
+    ("forgetrain.verify", ["tier=bitwise", "verify.out_dir={out}"]),
+])
+def test_cli_refuses_before_anything_is_written(tmp_path, module, extra):
+    out = tmp_path / "run"
+    # 2 GiB is less than the 3 GiB reserve: nothing fits
+    p = _cli(module, [*SHORT, *(x.format(out=out) for x in extra), f"train.out_dir={out}"], tmp_path, "2")
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: this config needs an estimated "), p.stderr
+    assert "2.0 GiB less a 3 GiB reserve" in lines[0]
+    assert "Traceback" not in p.stderr
+    assert not out.exists()
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_cli_trains_when_it_fits_or_when_skipped(tmp_path):
+    out = tmp_path / "run"
+    p = _cli("forgetrain", [*SHORT, f"train.out_dir={out}"], tmp_path, "1000")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (out / "trace" / "trace.jsonl").exists()
+    out2 = tmp_path / "run2"
+    p = _cli("forgetrain", [*SHORT, f"train.out_dir={out2}", "train.skip_memory_check=true"], tmp_path, "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (out2 / "trace" / "trace.jsonl").exists()
