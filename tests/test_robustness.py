@@ -400,3 +400,66 @@ def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
     assert p.returncode == 2 and "already holds a run" in _last_line(p), p.stderr[-1500:]
     assert (done / ".hydra" / "config.yaml").read_text() == before
     assert not list(done.glob("*.log"))
+
+
+_MISMATCH_WORKER = """
+import torch, torch.distributed as dist
+from forgetrain.config import ParallelConfig
+from forgetrain.distributed import collective_errors, init_distributed
+from forgetrain.errors import one_line_errors
+
+@one_line_errors
+def main():
+    env = init_distributed(ParallelConfig(timeout_s=30))
+    with collective_errors(30):
+        dist.all_reduce(torch.ones(10 if env.rank == 0 else 12))  # rank 1 reduces 12 elements, rank 0 ten
+main()
+"""
+
+
+def test_mismatched_collectives_name_the_op_and_the_sizes(tmp_path):
+    """Two ranks all-reduce tensors of 10 and 12 elements. Where torch makes the sizes known
+    (TORCH_DISTRIBUTED_DEBUG=DETAIL) each rank's one line names the op and both sizes, not a dead peer."""
+    (tmp_path / "worker.py").write_text(_MISMATCH_WORKER)
+    port = str(_free_port())
+    ranks = []
+    for rank in range(2):  # what torchrun sets up, with each rank's stderr apart
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISTRIBUTED_DEBUG="DETAIL",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        ranks.append(subprocess.Popen([sys.executable, "worker.py"], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    errs = [r.communicate(timeout=300)[1] for r in ranks]
+    for rank, (r, err) in enumerate(zip(ranks, errs)):
+        assert r.returncode == 1 and "Traceback" not in err, err[-3000:]
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(lines) == 1, err[-3000:]
+        line = lines[0]
+        assert line.startswith(f"error: rank {rank}/2: the ranks' collectives do not match"), line
+        assert "rank 0 ran ALLREDUCE of shape [10]" in line and "rank 1 ran ALLREDUCE of shape [12]" in line, line
+        assert "died" not in line, line
+
+
+def test_a_dead_peer_says_how_to_name_a_mismatch():
+    """Without DETAIL, a rank that sees its peer vanish says so, and how to have a size mismatch named."""
+    from unittest import mock
+
+    from forgetrain.distributed import CollectiveError, collective_errors, describe_mismatch
+
+    assert describe_mismatch("Connection reset by peer") is None
+    with mock.patch("torch.distributed.is_initialized", return_value=True), \
+            mock.patch("torch.distributed.get_world_size", return_value=2), \
+            mock.patch("torch.distributed.get_rank", return_value=1), \
+            mock.patch.dict(os.environ, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}):
+        with pytest.raises(CollectiveError) as e:
+            with collective_errors(30):
+                raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    msg = str(e.value)
+    assert msg.startswith("rank 1/2: a collective failed") and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in msg, msg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
