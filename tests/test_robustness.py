@@ -377,7 +377,30 @@ def test_kernels_without_triton_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
                        timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
-    assert _last_line(p).startswith("error: ") and "[kernels]" in _last_line(p) and "3.6.0" in _last_line(p)
+    import tomllib
+
+    pin = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["kernels"][0]
+    assert pin.startswith("triton==")
+    line = _last_line(p)
+    assert line.startswith("error: ") and "pip install -e '.[kernels]'" in line and pin in line, line
+
+
+def test_extra_pins_are_written_in_pyproject_only():
+    """The optional extras' pins live in pyproject.toml; the code reads them (forgetrain.extras), never repeats them."""
+    import re
+    import tomllib
+
+    from forgetrain.extras import install_hint, requirements
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("kernels", "deepspeed", "torchtitan"):
+        assert requirements(name) == tuple(extras[name])
+        assert install_hint(name) == f"pip install -e '.[{name}]' ({', '.join(extras[name])})"
+    pins = [r for name in ("kernels", "deepspeed", "torchtitan") for r in extras[name]]
+    for path in (ROOT / "forgetrain").rglob("*.py"):
+        text = path.read_text()
+        for pin in pins:
+            assert not re.search(re.escape(pin) + r"\b", text), f"{path} repeats the pin {pin}"
 
 
 def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
