@@ -425,6 +425,79 @@ def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
     assert not list(done.glob("*.log"))
 
 
+def test_progress_bar_shows_the_current_steps_metrics(tmp_path, monkeypatch, capsys):
+    """Every redraw of the progress bar pairs the step count k with step k's loss (it showed step k-1's)."""
+    import dataclasses
+    import re
+
+    from forgetrain.train import train
+    from tests.test_ladder import _cfg
+
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # redraw at every update (tqdm reads TQDM_* defaults)
+    monkeypatch.setenv("TQDM_MINITERS", "1")
+    c = _cfg()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=4, save=False, sample_tokens=0,
+                                                         eval_interval=0, out_dir=str(tmp_path / "run")),
+                            hardware=dataclasses.replace(c.hardware, peak_tflops=1.0))
+    train(c, progress=True)
+    err = capsys.readouterr().err
+    losses = {r["step"]: r["loss"] for r in records(tmp_path / "run")}
+    shown = [(int(m.group(1)), m.group(2)) for m in re.finditer(r"\| (\d+)/4 \[[^\]]*loss=([-\d.]+)", err)]
+    assert {k for k, _ in shown} >= {1, 2, 3}, err[-2000:]
+    for k, loss in shown:
+        assert loss == f"{losses[k]:.4f}", (k, loss, losses)
+
+
+def test_the_sample_shows_document_boundaries_readably(tmp_path):
+    """The end-of-run sample renders an end-of-document token as a '[end of document]' line, never the raw
+    <|endoftext|>."""
+    import dataclasses
+
+    import torch
+
+    from forgetrain.config import DataConfig
+    from forgetrain.data import DOCUMENT_BREAK, EOD_TOKEN, eod_id, load_tokenizer, prepare
+    from forgetrain.train import _sample_text
+    from tests.test_ladder import _cfg
+
+    tok = load_tokenizer(prepare(DataConfig(), progress=False).tokenizer_path)
+    eod = eod_id(tok)
+
+    class EndsDocuments:  # every other token is the end-of-document token
+        def logits(self, ctx):
+            out = torch.full((1, ctx.shape[1], tok.get_vocab_size()), -1e9)
+            out[0, -1, eod if ctx[0, -1] != eod else tok.token_to_id("A")] = 0.0
+            return out
+
+    c = _cfg()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, sample_tokens=6, sample_prompt="ROMEO."))
+    text = _sample_text(EndsDocuments(), tok, c, "cpu")
+    assert EOD_TOKEN not in text, text
+    assert text.startswith("ROMEO.") and text.count(DOCUMENT_BREAK.strip()) == 3, text
+
+
+def test_megatron_deprecation_warning_is_silenced_exactly(tmp_path):
+    """megatron-core's "full scope is deprecated" warning (raised on every TransformerConfig) no longer prints once
+    the reference is imported; the same text under another category, and any other megatron warning, still do."""
+    code = """
+import warnings
+import references.megatron.engine
+from megatron.core.transformer.transformer_config import TransformerConfig
+TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+mod = "megatron.core.transformer.transformer_config"
+warnings.warn_explicit("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+                       DeprecationWarning, "x.py", 1, module=mod)
+warnings.warn_explicit("another megatron warning", UserWarning, "x.py", 2, module=mod)
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path, env=env, text=True,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "UserWarning: full scope is deprecated" not in p.stderr, p.stderr[-2000:]
+    assert "DeprecationWarning: full scope is deprecated" in p.stderr, p.stderr[-2000:]
+    assert "UserWarning: another megatron warning" in p.stderr, p.stderr[-2000:]
+
+
 _MISMATCH_WORKER = """
 import torch, torch.distributed as dist
 from forgetrain.config import ParallelConfig

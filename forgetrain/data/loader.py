@@ -62,6 +62,29 @@ def decode(tok, ids, skip_special: bool = False) -> str:
     return tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
+DOCUMENT_BREAK = "\n[end of document]\n"  # how render_documents shows an end-of-document token
+
+
+def render_documents(tok, ids) -> str:
+    """Readable text of ``ids`` for people (the end-of-run sample): each end-of-document token becomes a line
+    ``[end of document]`` between the documents' texts, other special tokens are dropped. :func:`decode` keeps the
+    raw ``<|endoftext|>`` instead."""
+    try:
+        eod = eod_id(tok)
+    except DataError:
+        eod = None
+    docs, cur = [], []
+    for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids):
+        if int(i) == eod:
+            docs.append(cur)
+            cur = []
+        else:
+            cur.append(int(i))
+    docs.append(cur)
+    texts = [decode(tok, d, skip_special=True) for d in docs]
+    return DOCUMENT_BREAK.join(t.strip("\n") if k else t.rstrip("\n") for k, t in enumerate(texts))
+
+
 def eod_id(tok, where: str = "tokenizer") -> int:
     """Id of the end-of-document token (``<|endoftext|>`` or a common equivalent). Raises DataError if none."""
     for t in EOD_CANDIDATES:
