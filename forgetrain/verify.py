@@ -160,8 +160,6 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     """
     from forgetrain import equivalence as eq
 
-    if tier_name not in TIERS:
-        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(TIERS)}")
     _check_request(vcfg, tier_name)
     tier_cfg = _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), vcfg.reference, tier_name)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,8 +196,6 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
         return verdicts
     # loss_curve / surpass
     steps = vcfg.curve_steps
-    if len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden may be made seed by seed
-        raise ConfigError(f"loss_curve needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
     lc_cfg = dict(eq.load_tier("loss_curve")) if tier_name == "surpass" else tier_cfg
     vq = dataclasses.replace(vcfg, digests=False)
     gdir = curve_golden_dir(cfg, vcfg)
@@ -229,10 +225,21 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     return verdicts
 
 
+def check_request(obj: dict) -> None:
+    """The verify request of a composed config (``obj["verify"]``, ``obj["tier"]``), checked by ``forgetrain.cli``
+    before Hydra creates anything. Raises ConfigError."""
+    td = obj.get("tier")
+    if not isinstance(td, dict) or "name" not in td:
+        raise ConfigError("choose a tier: tier=bitwise|tolerance|loss_curve|surpass")
+    _check_request(VerifyConfig(**obj["verify"]), td["name"])
+
+
 def _check_request(vcfg: VerifyConfig, tier_name: str) -> None:
     """Reject, before any run, requests that cannot produce a verdict. Raises ConfigError."""
     from forgetrain import registry
 
+    if tier_name not in TIERS:
+        raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(TIERS)}")
     try:
         ref_cls = registry.load_engine_class("references", vcfg.reference)
     except ConfigError:
@@ -246,6 +253,8 @@ def _check_request(vcfg: VerifyConfig, tier_name: str) -> None:
         raise ConfigError("tier=bitwise compares per-step digests; drop verify.digests=false")
     if tier_name in ("bitwise", "tolerance") and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:
         raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, verify.steps={vcfg.steps})")
+    if tier_name in CURVE_TIERS and len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden: seed by seed
+        raise ConfigError(f"loss_curve needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
 
 
 def _check_golden(gdir: Path) -> None:
@@ -354,6 +363,10 @@ def verify_task(cfg) -> None:
     env = init_distributed(rc.parallel)  # under torchrun: every rank runs both sides; rank 0 reports
     out = Path(env.broadcast_object(str(Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc))))
     verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
+    if env.rank == 0:
+        from forgetrain.train import _record_config
+
+        _record_config(out, cfg, resume=False)  # beside the report: the request that produced it
     if vcfg.make_golden:
         if env.rank == 0:
             where = curve_golden_dir(rc, vcfg) if td["name"] in CURVE_TIERS else golden_dir(rc, td["name"])
