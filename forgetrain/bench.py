@@ -454,9 +454,20 @@ def print_table(rows: list[dict]) -> None:
           f"{mfu_formula_label(rows[0]['peak'])}")
 
 
+def check_request(obj: dict) -> None:
+    """The bench request of a composed config (``obj["bench"]``), checked by ``forgetrain.cli`` before Hydra
+    creates anything. Raises ConfigError."""
+    _check_bench(BenchConfig(**obj["bench"]))
+
+
 def _check_bench(b: BenchConfig) -> None:
-    """Raises ConfigError for bench settings that cannot give a median."""
+    """Raises ConfigError for bench settings that cannot give a median, and for a reference in ``bench.against``
+    that is unknown or whose optional framework is not installed."""
+    from forgetrain import registry
     from forgetrain.errors import ConfigError
+
+    for name in b.against:
+        registry.load_engine_class("references", name)
 
     if b.steps < 1:
         raise ConfigError(f"bench.steps must be >= 1 (timed steps per side), got {b.steps}")
@@ -482,7 +493,7 @@ def bench_task(cfg) -> None:
 
     env = init_distributed(rc.parallel)
     with collective_errors(rc.parallel.timeout_s):
-        _bench(rc, b, env.rank)
+        _bench(rc, b, env.rank, record=cfg)
 
 
 def headline_warning(cfg: RunConfig) -> Optional[str]:
@@ -518,9 +529,11 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
     return rows
 
 
-def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
+def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
+    """Time every side and report (rank 0): the tables, bench.json and, from ``record`` (the composed Hydra config),
+    .hydra/config.yaml beside it."""
     from forgetrain.trace import atomic_write_json
-    from forgetrain.train import _out_dir, versions
+    from forgetrain.train import _out_dir, _record_config, versions
 
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
     mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
@@ -552,6 +565,8 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int) -> None:
                                            "forged_blocks_s": times.get("_forged_blocks"),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
+    if record is not None:
+        _record_config(out, record, resume=False)
     print(f"wrote {out / 'bench.json'}", file=sys.stderr)
 
 

@@ -7,6 +7,7 @@ Bad input (unknown scenario or key, invalid values, missing/corrupt data) ends w
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -31,39 +32,63 @@ def _quiet_libraries() -> None:
 
 
 def precheck_overrides(config_name: str, argv: list[str]) -> None:
-    """Compose once with Hydra's compose API so that override errors become one-line ConfigErrors.
+    """Compose and validate the run (every job of a ``-m`` sweep) with Hydra's compose API before Hydra creates
+    anything, so that a mistake is one ConfigError line and writes nothing.
 
-    Skipped when Hydra flags are present (sweeps, --cfg, --help), which Hydra itself handles.
+    Skipped when Hydra's other flags are present (--cfg, --info, --config-name ...), which Hydra itself handles.
+    Raises ConfigError.
     """
     from forgetrain.errors import ConfigError
 
-    if any(a in _HYDRA_FLAGS or a.split("=")[0] in _HYDRA_FLAGS for a in argv):
+    flags = [a for a in argv if a in _HYDRA_FLAGS or a.split("=")[0] in _HYDRA_FLAGS]
+    multirun = any(a in ("-m", "--multirun") for a in flags)
+    if len(flags) > sum(a in ("-m", "--multirun") for a in flags):
         return
-    overrides = [a for a in argv if not a.startswith("hydra.") and not a.startswith("+hydra.")]
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
+    overrides = [a for a in argv if a not in ("-m", "--multirun") and not a.startswith(("hydra.", "+hydra."))]
     from forgetrain import registry
     from forgetrain.config import register_configs
 
     register_configs()
     if config_name in ("verify", "bench", "forge"):
-        import importlib
-
         importlib.import_module(f"forgetrain.{config_name}").register()
     for o in overrides:  # friendlier message for the most common mistake
         if o.startswith("scenario=") and o.split("=", 1)[1] not in registry.scenarios():
             raise ConfigError(f"unknown scenario '{o.split('=', 1)[1]}'; known scenarios: "
                               f"{', '.join(registry.scenarios())}")
+    jobs, swept = _sweep_jobs(overrides) if multirun else ([overrides], [])
+    out_dirs: dict[str, int] = {}
+    for num, job in enumerate(jobs):
+        try:
+            out = _check_job(config_name, job)
+        except ConfigError as e:
+            if len(jobs) == 1:
+                raise
+            raise ConfigError(f"sweep job #{num} ({' '.join(job[i] for i in swept)}): {e}") from None
+        if out:
+            out_dirs[out] = out_dirs.get(out, 0) + 1
+    for out, n in out_dirs.items():
+        if n > 1:
+            raise ConfigError(f"{n} jobs of the sweep would share the output directory {out}; leave train.out_dir "
+                              f"unset (each job gets its own directory under hydra.sweep.dir) or sweep it too")
+
+
+def _compose(config_name: str, overrides: list[str]):
+    """Hydra's compose API over ForgeTrain's conf dir; Hydra's and OmegaConf's errors become one ConfigError line
+    (with a did-you-mean for an unknown key)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from forgetrain.errors import ConfigError
+
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=overrides)
+            return compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
         msg = lines[0] if lines else type(e).__name__
         cause = str(e.__cause__).strip().splitlines()[0] if e.__cause__ is not None and str(e.__cause__).strip() else None
-        detail = cause
+        detail = cause or (lines[1] if len(lines) > 1 and not lines[1].startswith(("See ", "full_key")) else None)
         for i, x in enumerate(lines):
             if x.startswith("Available options"):
                 opts = []
@@ -73,19 +98,96 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
                     if not y.endswith("_schema"):
                         opts.append(y)
                 detail = x.rstrip(":") + ": " + ", ".join(opts)
+        bad = getattr(e.__cause__, "full_key", None) or getattr(e, "full_key", None)
+        hint = _did_you_mean(config_name, overrides, bad) if bad and "not in" in f"{detail} {msg}" else None
+        if hint:
+            detail = f"{detail}; did you mean {hint}?" if detail else f"did you mean {hint}?"
         raise ConfigError(f"{msg}" + (f" ({detail})" if detail else "")) from None
-    # validate values too, before Hydra creates a run directory (nothing is written for bad input)
+
+
+def _did_you_mean(config_name: str, overrides: list[str], bad: str) -> str | None:
+    """The known key closest to the unknown ``bad`` (``train.lrr`` -> ``train.lr``), or None."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    parent, _, leaf = bad.rpartition(".")
+    rest = [o for o in overrides if not (o.lstrip("+~").split("=")[0] + ".").startswith(bad + ".")]
+    try:
+        cfg = _compose(config_name, rest)
+    except Exception:  # noqa: BLE001 - no suggestion then
+        return None
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return None
+    close = difflib.get_close_matches(leaf, [str(k) for k in node.keys()], n=1)
+    return f"{parent + '.' if parent else ''}{close[0]}" if close else None
+
+
+def _sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], list[int]]:
+    """The override list of every job of a ``-m`` sweep, expanded the way Hydra's basic sweeper does (the
+    cartesian product of every ``key=a,b,...`` choice, in order), and the positions of the swept overrides.
+    Raises ConfigError on a malformed override."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from forgetrain.errors import ConfigError
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)) from None
+    lists = []
+    for o in parsed:
+        key = o.get_key_element()
+        if not o.is_sweep_override():
+            lists.append([f"{key}={o.get_value_element_as_str()}"])
+        elif o.is_discrete_sweep():
+            lists.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            raise ConfigError(f"{o.input_line}: the basic sweeper runs choice and range sweeps only")
+    return [list(x) for x in itertools.product(*lists)], [i for i, x in enumerate(lists) if len(x) > 1]
+
+
+def _check_job(config_name: str, overrides: list[str]) -> str | None:
+    """Compose one run and validate its values and output directories. Returns its train.out_dir (None when
+    unset). Raises ConfigError."""
     from omegaconf import OmegaConf
 
     from forgetrain.config import to_run_config, validate
 
+    cfg = _compose(config_name, overrides)
     obj = OmegaConf.to_container(cfg, resolve=True)
+    if config_name in ("verify", "bench"):  # the command's own request (tier, references, steps...)
+        importlib.import_module(f"forgetrain.{config_name}").check_request(obj)
     for extra in ("verify", "bench"):  # their own output directories, checked like train.out_dir
         check_out_dir(f"{extra}.out_dir", (obj.get(extra) or {}).get("out_dir"))
     for extra in ("verify", "tier", "bench", "forge", "agent"):
         obj.pop(extra, None)
-    check_out_dir("train.out_dir", obj.get("train", {}).get("out_dir"))
+    out = obj.get("train", {}).get("out_dir")
+    check_out_dir("train.out_dir", out)
     validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return os.path.abspath(out) if out else None
+
+
+def _help(config_name: str, argv: list[str]) -> str:
+    """``--help``: :func:`forgetrain.usage.help_text` for this command line's composition (the defaults' when the
+    command line does not compose)."""
+    from forgetrain.config import register_configs
+    from forgetrain.errors import ConfigError
+    from forgetrain.usage import help_text
+
+    register_configs()
+    if config_name in ("verify", "bench", "forge"):
+        importlib.import_module(f"forgetrain.{config_name}").register()
+    overrides = [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith(("hydra.", "+hydra."))]
+    try:
+        cfg = _compose(config_name, overrides)
+    except ConfigError:
+        cfg = _compose(config_name, [])
+    return help_text(config_name, cfg, CONF_DIR)
 
 
 def check_out_dir(key: str, path) -> None:
@@ -114,15 +216,18 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
     import hydra
 
     from forgetrain.config import register_configs
-    from forgetrain.errors import ForgeTrainError
+    from forgetrain.errors import ForgeTrainError, print_error
 
     _quiet_libraries()
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if "--help" in argv or "-h" in argv:  # the command's own help, not Hydra's generic one (--hydra-help)
+            print(_help(config_name, argv))
+            sys.exit(0)
         precheck_overrides(config_name, argv)
     except ForgeTrainError as e:
         if int(os.environ.get("RANK", "0")) == 0:  # every torchrun rank checks the same config: one says so
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print_error(str(e))
         sys.exit(e.exit_code)
     register_configs()
 
@@ -131,11 +236,11 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
         try:
             return task(cfg)
         except ForgeTrainError as e:
-            print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+            print_error(str(e))
             _remove_empty_run_dir()
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            print("error: interrupted", file=sys.stderr, flush=True)
+            print_error("interrupted")
             sys.exit(130)
         except MemoryError as e:  # torch.OutOfMemoryError is not one; see _out_of_memory_line
             print(f"error: out of host memory: {e}", file=sys.stderr, flush=True)

@@ -286,6 +286,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"train.lr_decay_style must be cosine|linear|constant, got '{t.lr_decay_style}'")
     if not (0 <= t.min_lr <= t.lr) or not math.isfinite(t.lr):
         raise ConfigError(f"need 0 <= train.min_lr <= train.lr, got min_lr={t.min_lr} lr={t.lr}")
+    if t.lr_decay_steps is not None and t.lr_decay_steps <= 0:
+        raise ConfigError(f"train.lr_decay_steps must be positive or null (= train.steps), got {t.lr_decay_steps}")
     decay_steps = t.lr_decay_steps or t.steps
     if t.lr_warmup_steps < 0 or t.lr_warmup_steps >= decay_steps:
         raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must lie in [0, {decay_steps}) "
@@ -355,6 +357,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError("parallel.backend=nccl needs hardware.device=cuda; use auto or gloo on CPU")
     if p.pipeline_parallel_size > 1 or p.context_parallel_size > 1:
         raise ConfigError("PP and CP are not supported by the forged engines yet; set them to 1")
+    peak = cfg.hardware.peak_tflops
+    if peak is not None and not (math.isfinite(peak) and peak > 0):
+        raise ConfigError(f"hardware.peak_tflops must be a positive number of TFLOP/s or null (measured on CPU), "
+                          f"got {peak}")
     if cfg.hardware.device not in ("cpu", "cuda"):
         raise ConfigError(f"hardware.device must be cpu or cuda, got '{cfg.hardware.device}'")
     if cfg.hardware.device == "cuda":
@@ -377,6 +383,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
     if cfg.logger.name not in ("none", "wandb"):
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
+    if cfg.logger.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
     from forgetrain import memory
 
     memory.check(cfg)  # last: a config that cannot fit the GPU is refused before any engine is built

@@ -7,6 +7,11 @@ ends the job with an error instead of hanging it. A single process needs no grou
 Failure handling: :func:`collective_errors` turns a failed collective (a peer rank died, hung past
 ``parallel.timeout_s``, or became unreachable) into a one-line :class:`CollectiveError` (exit code 1) that names
 this rank, instead of a multi-page traceback. Under torchrun the launcher then stops the remaining local ranks.
+Ranks whose collectives do not match (another op, or other sizes: an engine bug) are told apart where torch makes
+it known: with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch compares every collective's op, shapes and dtypes across
+ranks first, and the line names the op and each rank's sizes (:func:`describe_mismatch`). Without it, gloo aborts
+the rank that received the wrong size (a C++ abort no Python code can catch) and its peers see a dead peer; their
+line then says how to get the op and the sizes named.
 """
 
 from __future__ import annotations
@@ -52,10 +57,46 @@ _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", 
                        "broken pipe", "socket", "peer")
 
 
+_MISMATCH = "Detected mismatch between collectives"  # torch's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+
+
 def _is_collective_failure(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
-    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _COLLECTIVE_MARKERS)
+    return isinstance(e, RuntimeError) and (_MISMATCH in str(e)
+                                            or any(m in str(e).lower() for m in _COLLECTIVE_MARKERS))
+
+
+def describe_mismatch(message: str) -> str | None:
+    """One line from torch's collective-mismatch error (raised on every rank under
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): each rank's op, tensor shapes and dtypes, and the aspect that differs, e.g.
+    ``rank 0 ran ALLREDUCE of shape [10] (Float), rank 1 ran ALLREDUCE of shape [12] (Float); they differ in tensor
+    shapes: 10 vs 12``. None when ``message`` is not that error."""
+    import re
+
+    if _MISMATCH not in message:
+        return None
+    runs = []
+    for m in re.finditer(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)(?:TensorDeviceTypes|\)\))",
+                         message, re.S):
+        fp = m.group(2)
+        op = re.search(r"OpType=(\w+)", fp)
+        shape = re.search(r"TensorShape=(.*?)(?:, TensorDtypes=|$)", fp, re.S)
+        dtype = re.search(r"TensorDtypes=(\w+)", fp)
+        run = f"rank {m.group(1)} ran {op.group(1) if op else 'a collective'}"
+        if shape:
+            run += f" of shape {shape.group(1).strip().rstrip(',')}"
+        if dtype:
+            run += f" ({dtype.group(1)})"
+        runs.append((int(m.group(1)), run))
+    differ = re.search(r"differ in the following aspects:\s*(.*)", message, re.S)
+    aspect = None
+    if differ:
+        aspect = " ".join(differ.group(1).split())
+        aspect = re.sub(r"^Tensor Tensor", "tensor", aspect)
+        aspect = re.sub(r"(\S)vs ", r"\1 vs ", aspect)
+    text = ", ".join(r for _, r in sorted(runs)) or "the ranks ran different collectives"
+    return text + (f"; they differ in {aspect}" if aspect else "")
 
 
 @contextlib.contextmanager
@@ -70,12 +111,19 @@ def collective_errors(timeout_s: int | float):
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if not multi or isinstance(e, ForgeTrainError) or not _is_collective_failure(e):
             raise
-        first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
         print(file=sys.stderr, flush=True)  # end a progress-bar line, so "error: ..." starts its own line
+        where = f"rank {dist.get_rank()}/{dist.get_world_size()}"
+        mismatch = describe_mismatch(str(e))
+        if mismatch:
+            raise CollectiveError(f"{where}: the ranks' collectives do not match ({mismatch}): every rank must issue "
+                                  f"the same collectives with the same sizes; stopping this rank") from e
+        first = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+        hint = "" if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else (
+            "; if a rank aborted with a size mismatch (gloo: \"Received data size doesn't match\"), the ranks' "
+            "collectives differ: rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL to have the op and the sizes named")
         raise CollectiveError(
-            f"rank {dist.get_rank()}/{dist.get_world_size()}: a collective failed, so a peer rank died, hung "
-            f"longer than parallel.timeout_s={timeout_s} s or became unreachable; stopping this rank "
-            f"({type(e).__name__}: {first[:300]})") from e
+            f"{where}: a collective failed, so a peer rank died, hung longer than parallel.timeout_s={timeout_s} s "
+            f"or became unreachable; stopping this rank ({type(e).__name__}: {first[:300]}){hint}") from e
 
 
 def init_distributed(parallel_cfg) -> DistEnv:

@@ -36,6 +36,13 @@ class DivergenceError(ForgeTrainError):
     exit_code = 1
 
 
+def print_error(message: str) -> None:
+    """``error: <first line of message>`` on stderr, in one write: ranks sharing a terminal cannot split the line."""
+    msg = next((x.strip() for x in str(message).strip().splitlines() if x.strip()), "")
+    sys.stderr.write(f"error: {msg}\n")
+    sys.stderr.flush()
+
+
 def one_line_errors(fn):
     """Decorator for entry points: ForgeTrainError -> one line on stderr and ``sys.exit(exit_code)``."""
 
@@ -44,11 +51,10 @@ def one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except ForgeTrainError as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: {msg}", file=sys.stderr, flush=True)
+            print_error(str(e) if str(e).strip() else type(e).__name__)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            print("error: interrupted", file=sys.stderr, flush=True)
+            print_error("interrupted")
             sys.exit(130)
 
     return wrapper

@@ -40,6 +40,8 @@ def scenario_dir(name: str) -> Path:
 def load_engine_class(kind: str, name: str):
     """Import ``<kind>.<name>.engine`` and return its ``Engine`` class. kind is 'scenarios' or 'references'.
 
+    An engine built on an optional framework declares it as ``Engine.extra = (extra_name, (module, ...))``; when
+    one of those modules is missing, a ConfigError names the extra to install (:mod:`forgetrain.extras`).
     Raises ConfigError naming the known entries when ``name`` is unknown.
     """
     known = _packages(kind)
@@ -47,4 +49,9 @@ def load_engine_class(kind: str, name: str):
         what = "scenario" if kind == "scenarios" else "reference"
         raise ConfigError(f"unknown {what} '{name}'; known: {', '.join(known) or '(none)'}")
     mod = importlib.import_module(f"{kind}.{name}.engine")
+    extra = getattr(mod.Engine, "extra", None)
+    if extra:
+        from forgetrain.extras import require
+
+        require(extra[0], extra[1], f"{kind}/{name}")
     return mod.Engine

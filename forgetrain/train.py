@@ -140,7 +140,7 @@ def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
         logits = engine.logits(ctx)[0, -1].float().cpu()
         probs = torch.softmax(logits / 0.8, dim=-1)
         ids.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return tok.decode(ids)
+    return tok.render_documents(ids)
 
 
 def _lock_out_dir(out: Path, env: DistEnv):
@@ -454,14 +454,14 @@ def _loop(run: _Run, progress: bool) -> None:
                     bar.close()  # the error line goes on a line of its own, not into the bar
                 raise DivergenceError(f"loss is {res.loss} at step {step + 1}: training diverged (lower train.lr, "
                                       f"check train.adam_eps / train.clip_grad); {_resume_hint(ckpt_root, out)}")
-            if bar is not None:
-                bar.update(1)
+            if bar is not None:  # this step's metrics first, then the count: the redraw shows both together
                 if (step + 1) % t.log_interval == 0:
                     post = {"loss": f"{res.loss:.4f}", "gnorm": f"{res.grad_norm:.3f}", "lr": f"{res.lr:.2e}",
                             "tok/s": f"{tps:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
                     if run.val_loss is not None:
                         post["val"] = f"{run.val_loss:.4f}"
                     bar.set_postfix(post, refresh=False)
+                bar.update(1)
             if wandb_logger:
                 wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
             save_now = t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop)

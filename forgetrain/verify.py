@@ -264,10 +264,7 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             oracle = reference_oracle(cfg, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
         return judge(tier_name, tier_cfg, [ref / "trace"], cand, out, oracle=oracle / "trace" if oracle else None)
     # a curve tier, or a speed tier and the curve tier it rests on
-    curve = tier if tier.kind == registry.CURVE else registry.find(tier.rests_on)
     steps = vcfg.curve_steps
-    if len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden may be made seed by seed
-        raise ConfigError(f"{curve.name} needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
     vq = dataclasses.replace(vcfg, digests=False)
     gdir = curve_golden_dir(cfg, vcfg)
     if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
@@ -292,6 +289,17 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     return judge(tier_name, tier_cfg, refs, cand, out, times=times)
 
 
+def check_request(obj: dict) -> None:
+    """The verify request of a composed config (``obj["verify"]``, ``obj["tier"]``), checked by ``forgetrain.cli``
+    before Hydra creates anything. Raises ConfigError."""
+    from forgetrain.equivalence import registry
+
+    td = obj.get("tier")
+    if not isinstance(td, dict) or "name" not in td:
+        raise ConfigError(f"choose a tier: tier={'|'.join(registry.TIER_ORDER)}")
+    _check_request(VerifyConfig(**obj["verify"]), _tier(td["name"]))
+
+
 def _check_request(vcfg: VerifyConfig, tier) -> None:
     """Reject, before any run, requests that cannot produce a verdict (``tier``: a registry Tier). Raises
     ConfigError."""
@@ -311,6 +319,9 @@ def _check_request(vcfg: VerifyConfig, tier) -> None:
         raise ConfigError(f"tier={tier.name} compares per-step digests; drop verify.digests=false")
     if tier.kind == PAIR and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:
         raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, verify.steps={vcfg.steps})")
+    if tier.kind != PAIR and len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden: seed by seed
+        curve = tier.name if tier.rests_on is None else tier.rests_on
+        raise ConfigError(f"{curve} needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
 
 
 def _check_golden(gdir: Path) -> None:
@@ -422,6 +433,10 @@ def verify_task(cfg) -> None:
     env = init_distributed(rc.parallel)  # under torchrun: every rank runs both sides; rank 0 reports
     out = Path(env.broadcast_object(str(Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc))))
     verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
+    if env.rank == 0:
+        from forgetrain.train import _record_config
+
+        _record_config(out, cfg, resume=False)  # beside the report: the request that produced it
     if vcfg.make_golden:
         if env.rank == 0:
             pair = registry.find(td["name"]).kind == registry.PAIR

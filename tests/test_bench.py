@@ -44,6 +44,7 @@ def test_bench_one_process(tmp_path):
     assert "tokens_per_s" in p.stdout and "1 devices" in p.stdout
     warnings = [x for x in p.stdout.splitlines() if "not production-like" in x]
     assert len(warnings) == 1 and "train.global_batch_size=16" in warnings[0], p.stdout
+    assert (tmp_path / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*.log"))  # no empty cli.log
 
 
 def test_bench_under_torchrun_dp2(tmp_path):

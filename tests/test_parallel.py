@@ -490,6 +490,10 @@ def test_lost_rank_ends_the_job_with_a_clear_message(cache, tmp_path, how):
     """Two launchers; one worker is SIGKILLed (or SIGSTOPped: a hang) mid-training. The other launcher must exit
     non-zero within 60 s, its rank printing one ``error: rank r/2: a collective failed ...`` line."""
     timeout_s = 10
+    from forgetrain.config import DataConfig
+    from forgetrain.data import prepare
+
+    prepare(DataConfig(), progress=False)  # cached first: rank 0 preparing it for > timeout_s would time rank 1 out
     argv = ["-m", "forgetrain", *DP2, "train.steps=100000", "train.eval_interval=0", "train.sample_tokens=0",
             "train.save_interval=0", f"parallel.timeout_s={timeout_s}", f"train.out_dir={tmp_path / 'run'}"]
     port, env = _free_port(), _env(cache)

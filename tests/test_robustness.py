@@ -377,7 +377,30 @@ def test_kernels_without_triton_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
                        timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
-    assert _last_line(p).startswith("error: ") and "[kernels]" in _last_line(p) and "3.6.0" in _last_line(p)
+    import tomllib
+
+    pin = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["kernels"][0]
+    assert pin.startswith("triton==")
+    line = _last_line(p)
+    assert line.startswith("error: ") and "pip install -e '.[kernels]'" in line and pin in line, line
+
+
+def test_extra_pins_are_written_in_pyproject_only():
+    """The optional extras' pins live in pyproject.toml; the code reads them (forgetrain.extras), never repeats them."""
+    import re
+    import tomllib
+
+    from forgetrain.extras import install_hint, requirements
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in ("kernels", "deepspeed", "torchtitan"):
+        assert requirements(name) == tuple(extras[name])
+        assert install_hint(name) == f"pip install -e '.[{name}]' ({', '.join(extras[name])})"
+    pins = [r for name in ("kernels", "deepspeed", "torchtitan") for r in extras[name]]
+    for path in (ROOT / "forgetrain").rglob("*.py"):
+        text = path.read_text()
+        for pin in pins:
+            assert not re.search(re.escape(pin) + r"\b", text), f"{path} repeats the pin {pin}"
 
 
 def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
@@ -421,3 +444,139 @@ def test_device_out_of_memory_is_one_line(tmp_path):
     assert len(errs) == 1 and "out of GPU memory (CUDA out of memory. Tried to allocate 8.00 GiB." in errs[0]
     assert "train.micro_batch_size" in errs[0] and "See documentation" not in errs[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_progress_bar_shows_the_current_steps_metrics(tmp_path, monkeypatch, capsys):
+    """Every redraw of the progress bar pairs the step count k with step k's loss (it showed step k-1's)."""
+    import dataclasses
+    import re
+
+    from forgetrain.train import train
+    from tests.test_ladder import _cfg
+
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # redraw at every update (tqdm reads TQDM_* defaults)
+    monkeypatch.setenv("TQDM_MINITERS", "1")
+    c = _cfg()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=4, save=False, sample_tokens=0,
+                                                         eval_interval=0, out_dir=str(tmp_path / "run")),
+                            hardware=dataclasses.replace(c.hardware, peak_tflops=1.0))
+    train(c, progress=True)
+    err = capsys.readouterr().err
+    losses = {r["step"]: r["loss"] for r in records(tmp_path / "run")}
+    shown = [(int(m.group(1)), m.group(2)) for m in re.finditer(r"\| (\d+)/4 \[[^\]]*loss=([-\d.]+)", err)]
+    assert {k for k, _ in shown} >= {1, 2, 3}, err[-2000:]
+    for k, loss in shown:
+        assert loss == f"{losses[k]:.4f}", (k, loss, losses)
+
+
+def test_the_sample_shows_document_boundaries_readably(tmp_path):
+    """The end-of-run sample renders an end-of-document token as a '[end of document]' line, never the raw
+    <|endoftext|>."""
+    import dataclasses
+
+    import torch
+
+    from forgetrain.config import DataConfig
+    from forgetrain.data import DOCUMENT_BREAK, EOD_TOKEN, load_tokenizer, prepare
+    from forgetrain.train import _sample_text
+    from tests.test_ladder import _cfg
+
+    tok = load_tokenizer(prepare(DataConfig(), progress=False).tokenizer_path)
+    eod = tok.eod_id
+
+    class EndsDocuments:  # every other token is the end-of-document token
+        def logits(self, ctx):
+            out = torch.full((1, ctx.shape[1], tok.vocab_size), -1e9)
+            out[0, -1, eod if ctx[0, -1] != eod else tok.token_to_id("A")] = 0.0
+            return out
+
+    c = _cfg()
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, sample_tokens=6, sample_prompt="ROMEO."))
+    text = _sample_text(EndsDocuments(), tok, c, "cpu")
+    assert EOD_TOKEN not in text, text
+    assert text.startswith("ROMEO.") and text.count(DOCUMENT_BREAK.strip()) == 3, text
+
+
+def test_megatron_deprecation_warning_is_silenced_exactly(tmp_path):
+    """megatron-core's "full scope is deprecated" warning (raised on every TransformerConfig) no longer prints once
+    the reference is imported; the same text under another category, and any other megatron warning, still do."""
+    code = """
+import warnings
+import references.megatron.engine
+from megatron.core.transformer.transformer_config import TransformerConfig
+TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+mod = "megatron.core.transformer.transformer_config"
+warnings.warn_explicit("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+                       DeprecationWarning, "x.py", 1, module=mod)
+warnings.warn_explicit("another megatron warning", UserWarning, "x.py", 2, module=mod)
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path, env=env, text=True,
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "UserWarning: full scope is deprecated" not in p.stderr, p.stderr[-2000:]
+    assert "DeprecationWarning: full scope is deprecated" in p.stderr, p.stderr[-2000:]
+    assert "UserWarning: another megatron warning" in p.stderr, p.stderr[-2000:]
+
+
+_MISMATCH_WORKER = """
+import torch, torch.distributed as dist
+from forgetrain.config import ParallelConfig
+from forgetrain.distributed import collective_errors, init_distributed
+from forgetrain.errors import one_line_errors
+
+@one_line_errors
+def main():
+    env = init_distributed(ParallelConfig(timeout_s=30))
+    with collective_errors(30):
+        dist.all_reduce(torch.ones(10 if env.rank == 0 else 12))  # rank 1 reduces 12 elements, rank 0 ten
+main()
+"""
+
+
+def test_mismatched_collectives_name_the_op_and_the_sizes(tmp_path):
+    """Two ranks all-reduce tensors of 10 and 12 elements. Where torch makes the sizes known
+    (TORCH_DISTRIBUTED_DEBUG=DETAIL) each rank's one line names the op and both sizes, not a dead peer."""
+    (tmp_path / "worker.py").write_text(_MISMATCH_WORKER)
+    port = str(_free_port())
+    ranks = []
+    for rank in range(2):  # what torchrun sets up, with each rank's stderr apart
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISTRIBUTED_DEBUG="DETAIL",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        ranks.append(subprocess.Popen([sys.executable, "worker.py"], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    errs = [r.communicate(timeout=300)[1] for r in ranks]
+    for rank, (r, err) in enumerate(zip(ranks, errs)):
+        assert r.returncode == 1 and "Traceback" not in err, err[-3000:]
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(lines) == 1, err[-3000:]
+        line = lines[0]
+        assert line.startswith(f"error: rank {rank}/2: the ranks' collectives do not match"), line
+        assert "rank 0 ran ALLREDUCE of shape [10]" in line and "rank 1 ran ALLREDUCE of shape [12]" in line, line
+        assert "died" not in line, line
+
+
+def test_a_dead_peer_says_how_to_name_a_mismatch():
+    """Without DETAIL, a rank that sees its peer vanish says so, and how to have a size mismatch named."""
+    from unittest import mock
+
+    from forgetrain.distributed import CollectiveError, collective_errors, describe_mismatch
+
+    assert describe_mismatch("Connection reset by peer") is None
+    with mock.patch("torch.distributed.is_initialized", return_value=True), \
+            mock.patch("torch.distributed.get_world_size", return_value=2), \
+            mock.patch("torch.distributed.get_rank", return_value=1), \
+            mock.patch.dict(os.environ, {"TORCH_DISTRIBUTED_DEBUG": "OFF"}):
+        with pytest.raises(CollectiveError) as e:
+            with collective_errors(30):
+                raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    msg = str(e.value)
+    assert msg.startswith("rank 1/2: a collective failed") and "TORCH_DISTRIBUTED_DEBUG=DETAIL" in msg, msg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

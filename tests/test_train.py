@@ -93,7 +93,10 @@ def test_wandb_offline(tmp_path):
     p = run([*FAST, "train.steps=2", "train.sample_tokens=0", "logger=wandb", f"train.out_dir={out}"],
             timeout=400)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert list((out / "wandb").glob("offline-run-*")), "W&B must log offline by default"
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs, "W&B must log offline by default"
+    where = [x for x in p.stderr.splitlines() if x.startswith("W&B run ")]  # where it went, and how to upload it
+    assert len(where) == 1 and f"wandb sync {out / 'wandb'}/offline-run-*" in where[0], p.stderr[-2000:]
 
 
 def _truncated(tmp_path, suffix):
@@ -178,3 +181,46 @@ def test_wandb_resume_continues_the_same_run(tmp_path):
     assert "steps 4-4 ran before the stop and are run again" in p2.stderr and m.group(1) in p2.stderr
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(m.group(1)) for r in runs), runs
+
+
+@pytest.mark.parametrize("module,own", [
+    ("forgetrain", ["train.steps=", "train.global_batch_size=", "train.resume="]),
+    ("forgetrain.verify", ["verify.reference=", "verify.steps=", "tier: bitwise"]),
+    ("forgetrain.bench", ["bench.against=", "bench.steps="]),
+    ("forgetrain.forge", ["forge.max_rounds=", "forge.target_tier=", "agent.command="]),
+])
+def test_help_says_what_the_command_does(module, own, tmp_path):
+    """--help: the command's own text (what it does, its options with their meaning, the config groups), not
+    Hydra's generic dump; nothing written."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", module, "--help", "model=llama_micro"], cwd=tmp_path, env=env,
+                       text=True, capture_output=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "powered by Hydra" not in p.stdout and p.stdout.startswith(f"python -m {module} "), p.stdout[:500]
+    for key in own:
+        assert key in p.stdout, (key, p.stdout)
+    assert "model: llama1b, llama8b, llama_micro, llama_tiny" in p.stdout and "--hydra-help" in p.stdout
+    options = [x for x in p.stdout.splitlines() if x.startswith("  ") and "=" in x.split()[0]]
+    assert len(options) >= 4 and sum(len(x.split(None, 1)) == 2 for x in options) >= 3, options  # with meanings
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("config_name", ["config", "verify", "bench", "forge"])
+def test_no_command_writes_an_empty_log_file(config_name):
+    """Hydra's default job logging writes <run dir>/cli.log, which stays empty (ForgeTrain logs to the console):
+    every command logs to the console only; training, verify and bench write .hydra/ themselves once the run is
+    on (a rejected run writes nothing)."""
+    from hydra import compose, initialize_config_dir
+
+    from forgetrain.cli import CONF_DIR
+    from forgetrain.config import register_configs
+
+    register_configs()
+    if config_name != "config":
+        __import__(f"forgetrain.{config_name}", fromlist=["register"]).register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name=config_name, return_hydra_config=True)
+    handlers = cfg.hydra.job_logging.handlers
+    assert all("filename" not in h for h in handlers.values()), dict(handlers)
+    if config_name != "forge":
+        assert cfg.hydra.output_subdir is None

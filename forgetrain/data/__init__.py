@@ -7,7 +7,7 @@
 
 from forgetrain.data.loader import TokenWindows, eval_batches, inspect_indexed, micro_batch
 from forgetrain.data.prepare import PreparedData, default_cache_dir, prepare
-from forgetrain.data.tokenizer import EOD_TOKEN, Tokenizer, load_tokenizer
+from forgetrain.data.tokenizer import DOCUMENT_BREAK, EOD_TOKEN, Tokenizer, load_tokenizer
 
-__all__ = ["EOD_TOKEN", "PreparedData", "TokenWindows", "Tokenizer", "default_cache_dir", "eval_batches",
+__all__ = ["DOCUMENT_BREAK", "EOD_TOKEN", "PreparedData", "TokenWindows", "Tokenizer", "default_cache_dir", "eval_batches",
            "inspect_indexed", "load_tokenizer", "micro_batch", "prepare"]

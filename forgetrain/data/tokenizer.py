@@ -33,6 +33,7 @@ from forgetrain.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"  # the end-of-document token of the BPE prepare trains, and the first candidate
 # Common spellings of an end-of-document token, tried in order where a backend looks one up by name.
+DOCUMENT_BREAK = "\n[end of document]\n"  # how Tokenizer.render_documents shows an end-of-document token
 EOD_CANDIDATES = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 _SNIFF_BYTES = 64
 
@@ -107,6 +108,23 @@ class Tokenizer(ABC):
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         return self._decode([int(i) for i in ids])
+
+    def render_documents(self, ids: Iterable[int]) -> str:
+        """Readable text of ``ids`` for people (the end-of-run sample): each end-of-document token becomes a
+        ``[end of document]`` line (:data:`DOCUMENT_BREAK`) between the documents' texts. :meth:`decode` keeps the
+        raw ``eod_piece`` instead."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        docs, cur = [], []
+        for i in (int(x) for x in ids):
+            if i == self.eod_id:
+                docs.append(cur)
+                cur = []
+            else:
+                cur.append(i)
+        docs.append(cur)
+        texts = [self._decode(d) for d in docs]
+        return DOCUMENT_BREAK.join(t.strip("\n") if k else t.rstrip("\n") for k, t in enumerate(texts))
 
     def fingerprint(self) -> dict:
         """Identity of this tokenizer for the data cache key: the sha256 of the file it was loaded from.

@@ -44,15 +44,16 @@ def main(argv=None) -> int:
 
     @one_line_errors
     def run() -> int:
+        from forgetrain.extras import install_hint, require
+
+        require("kernels", ("triton",), "python -m forgetrain.kernels")  # the optional extra: one line if absent
         try:
             return _run()
-        except ImportError as e:  # an optional extra missing: one line naming it
+        except ImportError as e:  # a package the extra should have brought is missing or broken
             from forgetrain.errors import ConfigError
 
-            name = getattr(e, "name", None)
-            raise ConfigError(str(e) if name is None or "pip install" in str(e) else
-                              f"python -m forgetrain.kernels needs the '{name}' package: "
-                              f"pip install -e '.[kernels]'") from None
+            raise ConfigError(f"python -m forgetrain.kernels: {str(e).splitlines()[0]}; reinstall the extra: "
+                              f"{install_hint('kernels')}") from None
 
     def _run() -> int:
         from forgetrain import kernels

@@ -22,8 +22,10 @@ try:
     import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
 except ImportError as e:  # pragma: no cover - exercised only where triton is absent
-    raise ImportError("forgetrain.kernels needs triton (pip install -e '.[kernels]', which pins triton==3.6.0); "
-                      "the torch implementations need no triton: forgetrain.kernels.torch_ops") from e
+    from forgetrain.extras import install_hint
+
+    raise ImportError(f"forgetrain.kernels needs triton ({install_hint('kernels')}); the torch implementations "
+                      f"need no triton: forgetrain.kernels.torch_ops") from e
 HAVE_TRITON = True
 
 

@@ -127,6 +127,8 @@ class Engine:
     (:class:`MegatronLR`), ``zero_stage``, ``steps_done``.
     """
 
+    extra = ("deepspeed", ("deepspeed", "transformers"))  # the optional install it needs (forgetrain.extras)
+
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg = cfg
         self.device = torch.device(device)

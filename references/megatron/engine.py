@@ -13,6 +13,7 @@ losses ``[b, s]``; activations inside are sequence-first ``[s, b, h]``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator
 
 import torch
@@ -22,6 +23,12 @@ from forgetrain.config import RunConfig
 from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names
 from references.megatron import convert
+
+# megatron-core 0.16.1's TransformerConfig defaults cuda_graph_scope to "full", then warns on every construction that
+# "full" is deprecated (it means the same as its replacement, []); this engine sets no CUDA graphs. Exactly that
+# warning is silenced, for as long as this reference is imported; every other warning still shows.
+warnings.filterwarnings("ignore", message=r"full scope is deprecated\. Use empty cuda_graph_scope",
+                        category=UserWarning, module=r"megatron\.core\.transformer\.transformer_config")
 
 
 def _init_process_group(cfg: RunConfig, device: torch.device) -> None:

@@ -113,6 +113,8 @@ class Engine:
     (``Llama3StateDictAdapter``), ``mesh`` (the one-axis FSDP mesh), ``steps_done``.
     """
 
+    extra = ("torchtitan", ("torchtitan",))  # the optional install it needs (forgetrain.extras)
+
     def __init__(self, cfg: RunConfig, device: torch.device):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
