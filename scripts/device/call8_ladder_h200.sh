@@ -12,16 +12,7 @@
 #   run: PART=a bash scripts/device/call8_ladder_h200.sh ; then PART=b ...   (carry [".whl"])
 set -u
 . scripts/device/setup.sh
-L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
-model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
-train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
-verify.curve_steps=300 parallel.timeout_s=60"
-T="scenario=llama1b_h200 model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 \
-model.num_query_groups=4 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 \
-train.micro_batch_size=2 train.global_batch_size=4 train.lr_warmup_steps=2 train.precision=bf16 \
-train.deterministic=true hardware=h200 tier=tolerance verify.steps=8 parallel.timeout_s=60"
-BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch"
-FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
+. scripts/device/shapes.sh   # L, T, BASE, FIVE
 mkdir -p /tmp/verdicts
 judge() {  # name, then the verify overrides
   local name=$1; shift

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Sourced by the device calls that judge against the stored H200 goldens: the shapes those goldens were made at,
+# written once.
+#   L:    the surpass issue's loss-curve shape (llama1b_h200 at h 2048 x 8 layers, seq 2048, micro-batch 2 x
+#         grad-accum 4, bf16, 300 steps): golden references/goldens/h200/llama1b_h200-loss_curve-127c6adc42ce.
+#   T:    the tolerance shape (h 1024 x 4 layers, seq 512, micro-batch 2 x grad-accum 2, 8 steps, bf16,
+#         deterministic); its golden (845 MB) is too large to bring back, so each call makes it first.
+#   BASE: the fast base (batch-first layout + SDPA only) that each switch is added to.
+#   FIVE: the golden's five Megatron-core seeds.
+L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
+model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
+train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
+verify.curve_steps=300 parallel.timeout_s=60"
+T="scenario=llama1b_h200 model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 \
+model.num_query_groups=4 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 \
+train.micro_batch_size=2 train.global_batch_size=4 train.lr_warmup_steps=2 train.precision=bf16 \
+train.deterministic=true hardware=h200 tier=tolerance verify.steps=8 parallel.timeout_s=60"
+BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch"
+FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
