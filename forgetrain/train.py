@@ -547,3 +547,9 @@ def _print_summary(s: dict) -> None:
         lines += ["sample:", "-" * 60, s["sample"], "-" * 60]
     lines.append(f"outputs: {s['out_dir']}  (trace/, checkpoints/, summary.json, loss.png)")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":  # ``python -m forgetrain.train`` is ``python -m forgetrain`` (it silently did nothing)
+    from forgetrain.cli import main
+
+    main()

@@ -580,3 +580,10 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_python_m_forgetrain_train_is_the_train_command(tmp_path):
+    """``python -m forgetrain.train`` runs the training command (it exited 0 having done nothing): a bad override
+    gets the command's one error line."""
+    p = _module("forgetrain.train", ["train.lr=-1"], tmp_path)
+    assert p.returncode == 2 and _last_line(p).startswith("error:") and "train.lr" in _last_line(p), p.stderr
