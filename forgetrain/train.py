@@ -550,6 +550,6 @@ def _print_summary(s: dict) -> None:
 
 
 if __name__ == "__main__":  # ``python -m forgetrain.train`` is ``python -m forgetrain`` (it silently did nothing)
-    from forgetrain.cli import main
+    import runpy
 
-    main()
+    runpy.run_module("forgetrain", run_name="__main__", alter_sys=True)
