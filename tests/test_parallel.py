@@ -118,7 +118,9 @@ def layout_tolerance() -> dict:
     from omegaconf import OmegaConf
 
     entry = OmegaConf.to_container(OmegaConf.load(ROOT / "scenarios" / "llama_tiny_cpu" / "tolerance_layouts.yaml"))
-    return eq.tiers._merge(eq.load_tier("tolerance"), entry["tolerance"])
+    from forgetrain.equivalence.verdict import _merge
+
+    return _merge(eq.load_tier("tolerance"), entry["tolerance"])
 
 
 @pytest.fixture(scope="module")

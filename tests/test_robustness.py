@@ -451,16 +451,22 @@ def test_progress_bar_shows_the_current_steps_metrics(tmp_path, monkeypatch, cap
     import dataclasses
     import re
 
+    import time
+
     from forgetrain.train import train
+    from scenarios.llama_tiny_cpu.engine import Engine
     from tests.test_ladder import _cfg
 
-    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # redraw at every update (tqdm reads TQDM_* defaults)
-    monkeypatch.setenv("TQDM_MINITERS", "1")
+    class Paced(Engine):  # tqdm redraws at most every 0.1 s (its TQDM_* env defaults are read once, at import)
+        def train_step(self, micro_batches):
+            time.sleep(0.15)
+            return super().train_step(micro_batches)
+
     c = _cfg()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=4, save=False, sample_tokens=0,
                                                          eval_interval=0, out_dir=str(tmp_path / "run")),
                             hardware=dataclasses.replace(c.hardware, peak_tflops=1.0))
-    train(c, progress=True)
+    train(c, progress=True, engine_cls=Paced)
     err = capsys.readouterr().err
     losses = {r["step"]: r["loss"] for r in records(tmp_path / "run")}
     shown = [(int(m.group(1)), m.group(2)) for m in re.finditer(r"\| (\d+)/4 \[[^\]]*loss=([-\d.]+)", err)]
