@@ -25,10 +25,10 @@ WORDS = ("thou art more lovely and more temperate rough winds do shake the darli
          "café naïve — “quoted” ✓ 🌹 tab\there").split(" ")
 
 
-def paragraphs(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct multi-line paragraphs of ~600 characters, with non-ASCII text."""
+def paragraphs(n: int, seed: int = 0, lines: int = 8) -> list[str]:
+    """``n`` distinct paragraphs of ``lines`` lines (~75 characters each), with non-ASCII text."""
     rng = np.random.RandomState(seed)
-    return [f"P{i}. " + "\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(8)) for i in range(n)]
+    return [f"P{i}. " + "\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(lines)) for i in range(n)]
 
 
 def cfg(tmp_path: Path, source, **kw) -> DataConfig:

@@ -22,16 +22,12 @@ from forgetrain.data.prepare import train_tokenizer
 from forgetrain.data.tokenizer_hf import HFTokenizer
 from forgetrain.data.tokenizer_sp import SentencePieceTokenizer
 from forgetrain.errors import DataError
+from tests.test_data import paragraphs as _paragraphs
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("thou art more lovely and more temperate rough winds do shake the darling buds of may "
-         "café naïve — “quoted” ✓ 🌹 tab\there").split(" ")
-
-
 def paragraphs(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct multi-line paragraphs with non-ASCII text."""
-    rng = np.random.RandomState(seed)
-    return [f"P{i}. " + "\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(6)) for i in range(n)]
+    """``n`` distinct six-line paragraphs with non-ASCII text (tests.test_data's corpus)."""
+    return _paragraphs(n, seed, lines=6)
 
 
 def train_sp(path: Path, **kw) -> Path:
