@@ -46,7 +46,7 @@ def hashed_config(cfg: RunConfig) -> dict:
 
     t = dataclasses.asdict(cfg.train)
     for k in ("eval_interval", "log_interval", "save_interval", "save", "resume", "overwrite", "stop_after", "out_dir",
-              "sample_tokens", "sample_prompt", "threads", "eval_iters"):
+              "sample_tokens", "sample_prompt", "threads", "eval_iters", "skip_memory_check"):
         t.pop(k, None)
     p = dataclasses.asdict(cfg.parallel)
     for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute

@@ -7,6 +7,10 @@
 #         deterministic); its golden (845 MB) is too large to bring back, so each call makes it first.
 #   BASE: the fast base (batch-first layout + SDPA only) that each switch is added to.
 #   FIVE: the golden's five Megatron-core seeds.
+#   R1B:  the scenario's real width, vocabulary (128256), sequence (4096) and global batch (4) at 8 of 16 layers and
+#         micro-batch 2 x grad-accum 2 (at micro-batch 4 Megatron-core's local spec runs out of memory even at 8
+#         layers: [mb, 32, 4096, 4096] scores per layer plus fp32 logits). Golden
+#         references/goldens/h200/llama1b_h200-loss_curve-17890fa97f85. LAYERS and MB change it (a new golden).
 L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
 model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
 train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
@@ -17,3 +21,5 @@ train.micro_batch_size=2 train.global_batch_size=4 train.lr_warmup_steps=2 train
 train.deterministic=true hardware=h200 tier=tolerance verify.steps=8 parallel.timeout_s=60"
 BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch"
 FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
+R1B="scenario=llama1b_h200 model.num_layers=${LAYERS:-8} train.micro_batch_size=${MB:-2} train.global_batch_size=4 \
+hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"

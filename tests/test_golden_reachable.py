@@ -1,0 +1,62 @@
+"""The stored H200 loss-curve goldens stay reachable from the shapes the device scripts judge at.
+
+A golden's directory name carries :func:`forgetrain.train.config_hash` of the reference run. A new config field
+that does not change the numbers (``train.skip_memory_check`` did, 2026-12-02) must stay out of the hash, or every
+stored golden silently becomes "no golden for these seeds" and costs GPU time to remake. The shapes are read from
+``scripts/device/shapes.sh``, the one place the device calls take them from.
+"""
+import subprocess
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shape(var: str) -> list[str]:
+    out = subprocess.run(["bash", "-c", f". scripts/device/shapes.sh; echo ${var}"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return out.split()
+
+
+def _curve_dir(overrides: list[str]) -> Path:
+    from forgetrain import verify as V
+    from forgetrain.config import to_run_config
+
+    V.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="verify", overrides=overrides + ["tier=loss_curve"])
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    vd = obj.pop("verify")
+    obj.pop("tier")
+    return V.curve_golden_dir(to_run_config(obj), V.VerifyConfig(**vd))
+
+
+@pytest.mark.parametrize("var,seeds", [("L", 5), ("R1B", 3)])
+def test_stored_h200_golden_is_found(var, seeds):
+    d = _curve_dir(_shape(var))
+    stored = sorted(p.name for p in d.glob("seed_*"))
+    assert len(stored) >= seeds, f"{var}: {d} holds {stored}; a config field changed the golden hash"
+
+
+def test_io_only_field_stays_out_of_the_hash():
+    import dataclasses
+
+    from forgetrain.train import config_hash
+
+    base = _curve_dir(_shape("L"))
+    from forgetrain import verify as V  # noqa: F401  (registered above)
+    from forgetrain.config import to_run_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="verify", overrides=_shape("L") + ["tier=loss_curve"])
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    obj.pop("verify"), obj.pop("tier")
+    rc = to_run_config(obj)
+    flipped = dataclasses.replace(rc, train=dataclasses.replace(rc.train, skip_memory_check=True))
+    assert config_hash(rc) == config_hash(flipped)
+    changed = dataclasses.replace(rc, train=dataclasses.replace(rc.train, lr=rc.train.lr * 2))
+    assert config_hash(rc) != config_hash(changed)  # a numeric field still moves it
+    assert base.exists()
