@@ -5,7 +5,9 @@
 # rejected by the guard (torch.compile's Inductor/Triton code, the Triton kernels of forgetrain.kernels):
 #   1. the fast default (torch.compile, fused AdamW, chunked CE);
 #   2. the fast base with every Triton kernel switched on.
-# Brings back each run's forge_log.jsonl and ladder_result.json.   (~400 s; carry [".whl"])
+# Brings back each run's forge_log.jsonl, ladder_result.json and the tail of its sides.log. (carry [".whl"])
+# 2026-12-02: with 320 s left, run 1 was cut off by the timeout before writing its ladder result (no log came back,
+# the script then named its outputs call10_*). Give it a call of its own: ONLY=fast_default or ONLY=triton_kernels.
 set -u
 . scripts/device/setup.sh
 S="scenario=llama1b_h200 model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 \
@@ -20,8 +22,11 @@ run() {  # name, then the forge overrides
   echo "$(ts) == $name ($(left) s left)"
   timeout $(left) python3 -m forgetrain.forge $S "$@" forge.out_dir=/tmp/forge_$name hydra.run.dir=/tmp/h_$name \
     2>&1 | filt 8
-  cp /tmp/forge_$name/forge_log.jsonl $OUT/call10_${name}_forge_log.jsonl 2>/dev/null
-  cp /tmp/forge_$name/rounds/0/ladder_result.json $OUT/call10_${name}_ladder_result.json 2>/dev/null
+  cp /tmp/forge_$name/forge_log.jsonl $OUT/call13_${name}_forge_log.jsonl 2>/dev/null
+  cp /tmp/forge_$name/rounds/0/ladder_result.json $OUT/call13_${name}_ladder_result.json 2>/dev/null
+  tail -c 200000 /tmp/forge_$name/rounds/0/ladder/sides.log > $OUT/call13_${name}_sides.log 2>/dev/null
+  [ -f /tmp/forge_$name/rounds/0/ladder_result.json ] || { echo "no ladder result: sides.log tail"; \
+    tail -20 /tmp/forge_$name/rounds/0/ladder/sides.log 2>/dev/null; ls -la /tmp/forge_$name /tmp/forge_$name/rounds/0 2>/dev/null; return; }
   python3 - "$name" <<'PY'
 import json, sys
 r = json.load(open(f"/tmp/forge_{sys.argv[1]}/rounds/0/ladder_result.json"))
@@ -31,6 +36,6 @@ for v in r.get("verdicts", []):
 PY
   grep -E "violation|Error|error" /tmp/forge_$name/rounds/0/ladder/sides.log | grep -v Warning | tail -5
 }
-run fast_default
-run triton_kernels $TRITON
+[ "${ONLY:-fast_default}" = fast_default ] && run fast_default
+[ "${ONLY:-triton_kernels}" = triton_kernels ] && run triton_kernels $TRITON
 echo "$(ts) done"
