@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call 11 (one H200), the performance issue's starting profile at the production-like batch: the
 # llama8b_h100 proxy (full 8B width, 4 layers, seq 8192), micro-batch 1 x grad-accum 8 = global batch 8, forged
-# fast engine vs plain torch.compile (torchtitan is timed in its own call: its wheels are not in .whl yet), sequential
+# fast engine vs plain torch.compile (torchtitan and DeepSpeed are timed in call 15, with .whl_sides), sequential
 # A-B-A blocks, with one profiled untimed step per side (bench.profile=true: per-category table in bench.json,
 # Chrome traces beside it; the traces travel back compressed). The single-micro-batch row is timed too.
 # Expect about 450 s.     run: bash scripts/device/call11_profile_8b_proxy.sh   (carry [".whl"])

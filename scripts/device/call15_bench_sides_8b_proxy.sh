@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device call 15 (one H200), the performance issue's general-framework rows: the llama8b_h100 proxy (full 8B width,
+# 4 layers, seq 8192), micro-batch 1 x grad-accum 8 = global batch 8, the forged fast engine side by side with
+#   SIDE=torchtitan: torchtitan 0.3.0 (references/torchtitan: its Llama-3 model, FSDP2 on one rank, compile on);
+#   SIDE=deepspeed:  DeepSpeed 0.19.8 (references/deepspeed), bf16 with fp32 master weights;
+# one side per call: each side holds its own fp32 weights and Adam moments (about 30 GB here), so two sides and the
+# forged engine together risk running out of memory. Sequential A-B-A blocks (bench.interleave=never).
+# If a side cannot run on the device's torch, its one-line error is the result to record (the issue asks for it).
+# Needs the sides' wheels:  SIDES=1 bash scripts/device/wheels.sh   then carry [".whl", ".whl_sides"].
+#   run: SIDE=torchtitan bash scripts/device/call15_bench_sides_8b_proxy.sh ; then SIDE=deepspeed ...
+set -u
+. scripts/device/setup.sh
+side=${SIDE:-torchtitan}
+python3 -c "import $side; print('$side', $side.__version__ if hasattr($side, '__version__') else '')" 2>&1 | tail -1
+echo "$(ts) == bench, llama8b_h100 proxy, GBS 8, forged vs $side ($(left) s left)"
+timeout $(left) python3 -m forgetrain.bench scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 \
+  train.global_batch_size=8 train.deterministic=false "bench.against=[$side]" bench.steps=6 bench.warmup=2 \
+  bench.interleave=never parallel.timeout_s=60 bench.out_dir=/tmp/b15 2>&1 | filt 30
+cp /tmp/b15/bench.json $OUT/call15_bench_8b_proxy_gbs8_$side.json 2>/dev/null
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+echo "$(ts) done"
