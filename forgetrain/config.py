@@ -161,6 +161,10 @@ class EngineOptions:
     # fast mode: weight-gradient GEMMs write/accumulate straight into the fp32 main_grad (Megatron's gradient
     # accumulation fusion); no bf16 .grad and no separate add per micro-batch. Tolerance tier (optimisations.yaml)
     grad_accum_fusion: bool = False
+    # fast mode, kernels.adamw=triton, no ZeRO: the optimizer step as one pass: the grad norm stays on the device,
+    # clipping is folded into the Triton AdamW kernel (no clip pass, no host sync before it) and the kernel writes
+    # the bf16 model weights itself (no separate fp32 -> bf16 copy). Tolerance tier (optimisations.yaml)
+    onepass_optimizer: bool = False
 
 
 @dataclass
@@ -379,6 +383,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
         raise ConfigError("engine.grad_accum_fusion=true needs engine.mode=fast (exact mode is the bitwise "
                           "Megatron mirror: its grads stay bf16 .grad added into main_grad)")
+    if cfg.engine.onepass_optimizer and (cfg.engine.mode != "fast" or k.adamw != "triton"
+                                         or cfg.parallel.zero_stage != 0):
+        raise ConfigError("engine.onepass_optimizer=true needs engine.mode=fast, kernels.adamw=triton and "
+                          f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={k.adamw}, "
+                          f"zero_stage={cfg.parallel.zero_stage}")
     if cfg.engine.ce_chunk_tokens is not None and cfg.engine.ce_chunk_tokens <= 0:
         raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
     if cfg.logger.name not in ("none", "wandb"):

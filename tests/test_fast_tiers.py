@@ -43,10 +43,13 @@ SWITCHES = {  # name -> (kernels.* overrides, the optimisations.yaml entries swi
                                                          "chunked_lm_head_cross_entropy", "grad_accum_fusion"]),
     "grad_accum_fusion_torch_ce": ({"cross_entropy": "torch"}, ["batch_first_layout", "sdpa_attention",
                                                                 "grad_accum_fusion"]),
+    "triton_onepass": ({"adamw": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels",
+                                             "onepass_optimizer"]),
 }
 ENGINE = {  # name -> engine.* overrides beyond fast mode, for the switches that are engine options
     "grad_accum_fusion": {"grad_accum_fusion": True},
     "grad_accum_fusion_torch_ce": {"grad_accum_fusion": True},
+    "triton_onepass": {"onepass_optimizer": True},
 }
 LADDER = ["bitwise", "tolerance", "loss_curve", "surpass"]  # strictest first
 

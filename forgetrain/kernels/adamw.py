@@ -57,12 +57,15 @@ def _st(ptr, val, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, decay, w1, b2, omb2, step_size_neg, bc2_sqrt,
-                  eps, HAS_MAIN: tl.constexpr, LERP_SMALL: tl.constexpr, MASKED: tl.constexpr):
+                  eps, gs, HAS_MAIN: tl.constexpr, HAS_GS: tl.constexpr, LERP_SMALL: tl.constexpr,
+                  MASKED: tl.constexpr):
     if HAS_MAIN:
         w = _ld(w_ptr + offs, mask, MASKED)
     else:
         w = _ld(p_ptr + offs, mask, MASKED)
     g = _ld(g_ptr + offs, mask, MASKED)
+    if HAS_GS:  # clipping folded in: g * coeff in fp32, the product Megatron's clip writes back into main_grad
+        g = g * gs
     m = _ld(m_ptr + offs, mask, MASKED)
     v = _ld(v_ptr + offs, mask, MASKED)
     w = w * decay
@@ -82,10 +85,14 @@ def _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, decay, w1, b2, 
 
 
 @triton.jit
-def _adamw_kernel(TABLE, BLOCKS, decay, w1, b2, omb2, step_size_neg, bc2_sqrt, eps,
-                  P_DT: tl.constexpr, G_DT: tl.constexpr, HAS_MAIN: tl.constexpr, LERP_SMALL: tl.constexpr,
-                  ALIGN_HINT: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(TABLE, BLOCKS, decay, w1, b2, omb2, step_size_neg, bc2_sqrt, eps, GS,
+                  P_DT: tl.constexpr, G_DT: tl.constexpr, HAS_MAIN: tl.constexpr, HAS_GS: tl.constexpr,
+                  LERP_SMALL: tl.constexpr, ALIGN_HINT: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    if HAS_GS:
+        gs = tl.load(GS)
+    else:
+        gs = 1.0
     ti = tl.load(BLOCKS + 2 * pid)
     start = tl.load(BLOCKS + 2 * pid + 1)
     row = TABLE + 6 * ti
@@ -105,10 +112,10 @@ def _adamw_kernel(TABLE, BLOCKS, decay, w1, b2, omb2, step_size_neg, bc2_sqrt, e
     mask = offs < n
     if start + BLOCK <= n:
         _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, decay, w1, b2, omb2, step_size_neg, bc2_sqrt,
-                      eps, HAS_MAIN, LERP_SMALL, False)
+                      eps, gs, HAS_MAIN, HAS_GS, LERP_SMALL, False)
     else:
         _adamw_update(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, decay, w1, b2, omb2, step_size_neg, bc2_sqrt,
-                      eps, HAS_MAIN, LERP_SMALL, True)
+                      eps, gs, HAS_MAIN, HAS_GS, LERP_SMALL, True)
 
 
 _TABLES: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
@@ -142,7 +149,7 @@ def _tables(group: list, block: int, device: torch.device):
 
 def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, main_params: list | None = None,
                *, step: int, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-               wd: float = 0.0) -> None:
+               wd: float = 0.0, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW step over lists of tensors, in place (one kernel launch per dtype group).
 
     Args:
@@ -153,9 +160,14 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, mai
         main_params: optional fp32 master weights, same shapes, updated in place.
         step: the 1-based step number of this update (torch's ``state["step"]`` after its increment).
         lr, beta1, beta2, eps, wd: as ``torch.optim.AdamW(lr, (beta1, beta2), eps, weight_decay=wd)``.
+        grad_scale: optional fp32 tensor of one element on the tensors' device: every gradient is multiplied by
+            it (in fp32, in registers; ``grads`` are not written) before the update. This folds gradient clipping
+            into the step without a host sync: pass ``min(1, clip / (norm + 1e-6))`` computed on the device
+            (Megatron's ``clip_grad_by_total_norm_fp32`` coefficient; multiplying by exactly 1.0 changes nothing).
     All tensors must be contiguous and on one device.
     Raises:
-        ValueError: mismatched list lengths, shapes or dtypes, non-contiguous tensors, step < 1.
+        ValueError: mismatched list lengths, shapes or dtypes, non-contiguous tensors, step < 1, a grad_scale
+            that is not one fp32 element.
     """
     n = len(params)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (main_params is not None
@@ -165,6 +177,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, mai
         raise ValueError(f"step must be >= 1 (1-based), got {step}")
     if n == 0:
         return
+    if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.dtype != torch.float32):
+        raise ValueError(f"grad_scale must be one float32 element, got {grad_scale.dtype} x {grad_scale.numel()}")
     groups: dict = {}
     for i in range(n):
         p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
@@ -183,7 +197,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, mai
             continue
         aligned = all(t.data_ptr() % 16 == 0 for t in ts)
         groups.setdefault((p.dtype, g.dtype, w is not None, aligned), []).append((p, g, m, v, w))
-    check_device(*[t for grp in groups.values() for tup in grp for t in tup if t is not None] or [params[0]])
+    check_device(*[t for grp in groups.values() for tup in grp for t in tup if t is not None] or [params[0]],
+                 *([grad_scale] if grad_scale is not None else []))
 
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
@@ -196,8 +211,9 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, mai
         table, blk = _tables(grp, block, device)
         nb = blk.shape[0]
         args = (table, blk, scal["decay"], scal["w1"], scal["b2"], scal["omb2"], scal["step_size_neg"],
-                scal["bc2_sqrt"], scal["eps"])
-        kw = dict(P_DT=_TL_DTYPE[pdt], G_DT=_TL_DTYPE[gdt], HAS_MAIN=has_main, LERP_SMALL=lerp_small, BLOCK=block,
+                scal["bc2_sqrt"], scal["eps"], grad_scale if grad_scale is not None else table)
+        kw = dict(P_DT=_TL_DTYPE[pdt], G_DT=_TL_DTYPE[gdt], HAS_MAIN=has_main, HAS_GS=grad_scale is not None,
+                  LERP_SMALL=lerp_small, BLOCK=block,
                   num_warps=8 if block >= 2048 else 4)
         hint = aligned and _ALIGN_HINT_OK["ok"] and not interpreting()
         if hint:

@@ -68,6 +68,7 @@ class Engine(_ExactCPUEngine):
         if self.fusion:
             self.grad_accum_path = probe_path(self.device)[0] if self.bf16 else "fp32_upcast"  # fp32: one addmm_
         self._fused: list[str] = []
+        self.onepass = self.fast and self.opts.onepass_optimizer
         self.init_weights()
 
     # ------------------------------------------------------------------ weights
@@ -180,8 +181,11 @@ class Engine(_ExactCPUEngine):
         if self.tcfg.digests:  # under ZeRO-1 the whole local buffer, as the reference's main_grad snapshot
             self._last_grads = {k: self.main_grad[k].clone() for k in order}
         lr = lr_for_step(self.tcfg, self.completed_steps)
-        grad_norm = self._zero1_update(lr) if self.zero1 else self._replicated_update(order, lr)
-        self._sync_model_from_main()
+        if self.onepass:
+            grad_norm = self._onepass_update(order, lr)  # it writes the bf16 weights itself
+        else:
+            grad_norm = self._zero1_update(lr) if self.zero1 else self._replicated_update(order, lr)
+            self._sync_model_from_main()
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
         if self.pcfg.report_loss == "dp_mean" and self.dp_size > 1:
@@ -249,6 +253,36 @@ class Engine(_ExactCPUEngine):
                            [self.adam_state[k] for k in ks]))
         self._adamw_groups(groups, lr)
         return grad_norm
+
+    @torch.no_grad()
+    def _onepass_update(self, order: list[str], lr: float) -> float:
+        """``engine.onepass_optimizer``: the fast path's grad norm (per-tensor norms, then their norm) kept on the
+        device; Megatron's clip coefficient ``clip / (norm + 1e-6)`` formed there in fp64 from the fp32 norm, as the
+        host computes it from ``float(norm)``, capped at 1 and rounded to fp32; then one Triton AdamW launch per
+        parameter group that scales each gradient by it, updates the fp32 main weights and moments and writes the
+        bf16 model weights. The same arithmetic as clip pass + ``kernels.adamw=triton`` + the bf16 copy, in one
+        pass over the parameters and with the host sync after the update instead of before it."""
+        from forgetrain.kernels import adamw_step
+
+        t = self.tcfg
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([self.main_grad[k] for k in order])))
+        scale = None
+        if t.clip_grad > 0:
+            scale = (t.clip_grad / (norm.double() + 1.0e-6)).clamp(max=1.0).float().reshape(1)
+        named = self._named()
+        for k in self.main:
+            self.adam_state[k]["step"] += 1.0
+        step = self.adam_state[order[0]]["step"] if order else float(self.completed_steps + 1)
+        for decay in (True, False):  # Megatron's two param groups: 2-D weights (wd) and 1-D norms (no wd)
+            ks = [k for k in self.main if (self.main[k].dim() > 1) == decay]
+            if not ks:
+                continue
+            sts = [self.adam_state[k] for k in ks]
+            adamw_step([named[k].data for k in ks], [self.main_grad[k] for k in ks], [s["exp_avg"] for s in sts],
+                       [s["exp_avg_sq"] for s in sts], [self.main[k] for k in ks] if self.bf16 else None,
+                       step=step, lr=lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
+                       wd=t.weight_decay if decay else 0.0, grad_scale=scale)
+        return float(norm)
 
     @torch.no_grad()
     def _adamw_groups(self, groups, lr: float) -> None:

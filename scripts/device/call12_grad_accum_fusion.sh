@@ -5,12 +5,13 @@
 #           2 x grad-accum 2; made per call: too large to bring back), then the switch on the fast base at
 #           tolerance, once with the plain LM head and once with the chunked LM-head CE (both head paths);
 #           (2) the fast default (compile, chunked CE, fused AdamW) plus the switch at loss_curve against the stored
-#           5-seed golden at call 8's loss-curve shape (h2048 x 8 layers, seq 2048, grad-accum 4, 300 steps).
-#                                                                                              (~400 s)
+#           5-seed golden at call 8's loss-curve shape (h2048 x 8 layers, seq 2048, grad-accum 4, 300 steps);
+#           (3) the one-pass optimizer (engine.onepass_optimizer=true, kernels.adamw=triton) on the fast base at
+#           tolerance (declared tier: tolerance).                                              (~450 s)
 #   PART=b: forgetrain.bench on the llama8b_h100 proxy (4 layers, seq 8192) at micro-batch 1 x grad-accum 8, the
 #           forged engine alone (bench.against=[]), switch off, on, off again (A-B-A: the two "off" runs bracket
-#           the machine's drift); step_s, MFU, memory and the GEMM path it chose (bench.json "engine_info").
-#                                                                                              (~450 s)
+#           the machine's drift), then both levers on (grad-accum fusion + the one-pass optimizer); step_s, MFU,
+#           memory and the GEMM path it chose (bench.json "engine_info").                      (~550 s)
 # Verdicts travel back as one tar, the bench.json files one each (each file < 16 MiB, <= 8 files in all).
 #   run: PART=a bash scripts/device/call12_grad_accum_fusion.sh ; then PART=b ...   (carry [".whl"])
 set -u
@@ -18,6 +19,7 @@ set -u
 PART=${PART:-a}
 . scripts/device/shapes.sh   # L, T, BASE, FIVE
 GAF="engine.grad_accum_fusion=true"
+ONEPASS="kernels.adamw=triton engine.onepass_optimizer=true"
 B="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
 train.deterministic=false bench.against=[] bench.steps=8 bench.warmup=3 bench.interleave=always \
 bench.single_micro_batch=false parallel.timeout_s=60"
@@ -46,10 +48,12 @@ if [ "$PART" = a ]; then
   timeout $(left) python3 -m forgetrain.verify $T verify.make_golden=true verify.out_dir=/tmp/gt 2>&1 | filt 2
   judge tol_gaf $T verify.golden=true $BASE $GAF
   judge tol_gaf_chunked_ce $T verify.golden=true $BASE kernels.cross_entropy=chunked $GAF
+  judge tol_onepass $T verify.golden=true $BASE $ONEPASS
   judge gaf_default_5seeds $L tier=loss_curve verify.golden=true $FIVE $GAF
 else
   bench gaf_off engine.grad_accum_fusion=false
   bench gaf_on $GAF
+  bench gaf_onepass $GAF $ONEPASS
   [ "$(left)" -gt 150 ] && bench gaf_off2 engine.grad_accum_fusion=false
 fi
 df -h /tmp | tail -1

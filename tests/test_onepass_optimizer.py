@@ -1,0 +1,122 @@
+"""The one-pass optimizer step of the fast Hopper engine (``engine.onepass_optimizer``, with ``kernels.adamw=triton``).
+
+Claim (``scenarios/llama1b_h200/optimisations.yaml``): the same arithmetic as the clip pass, the Triton AdamW kernel
+and the fp32 -> bf16 copy, done in one pass. So on CPU (Triton interpreter) it must be **bitwise** equal to
+``kernels.adamw=triton`` without it, in fp32 and in bf16, with clipping active on every step (``train.clip_grad``
+far below the grad norm); a kernel that ignores the clip coefficient must not be. Its end-to-end tolerance verdict
+against Megatron-core is in ``tests/test_fast_tiers.py`` (the ``triton_onepass`` switch).
+Each case runs in its own process: ``TRITON_INTERPRET=1`` must be set before triton is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
+
+
+def _engine(precision: str, onepass: bool, clip: float):
+    from scenarios.llama1b_h200.engine import Engine
+    from tests.test_fast_tiers import fast_cfg
+
+    # smaller than llama_micro: the interpreter runs one Python program per 256-element block of every tensor
+    c = fast_cfg({"adamw": "triton"}, {"onepass_optimizer": onepass}, vocab_size=256, hidden_size=32,
+                 ffn_hidden_size=64, num_layers=1, seq_length=16)
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, precision=precision, clip_grad=clip))
+    return Engine(c, "cpu")
+
+
+def compare(precision: str, drop_scale: bool = False) -> None:
+    """Train both paths 2 steps (micro-batch 2 x grad-accum 2) from one init; print the first difference or 'same'."""
+    import torch
+
+    import forgetrain.kernels as K
+
+    if drop_scale:  # a wrong kernel: the clip coefficient never reaches the update
+        real = K.adamw_step
+        K.adamw_step = lambda *a, grad_scale=None, **k: real(*a, **k)
+    a, b = _engine(precision, False, 1e-3), _engine(precision, True, 1e-3)
+    b.load_hf_weights(a.export_hf_weights())
+    g = torch.Generator().manual_seed(0)
+    seq, vocab = a.mcfg.seq_length, a.mcfg.vocab_size
+    for step in range(2):
+        mbs = [torch.randint(0, vocab, (2, seq + 1), generator=g) for _ in range(2)]
+        ra, rb = a.train_step(mbs), b.train_step(mbs)
+        assert ra.grad_norm > 1e-3 * 10, f"clipping not active: grad norm {ra.grad_norm}"
+        if ra.grad_norm != rb.grad_norm or ra.loss != rb.loss:
+            print(f"differ at step {step + 1}: grad_norm {ra.grad_norm} vs {rb.grad_norm}, loss {ra.loss} vs {rb.loss}")
+            return
+        na, nb = a._named(), b._named()
+        for k in a.main:
+            for what, x, y in (("main", a.main[k], b.main[k]), ("model", na[k].data, nb[k].data),
+                               ("exp_avg", a.adam_state[k]["exp_avg"], b.adam_state[k]["exp_avg"]),
+                               ("exp_avg_sq", a.adam_state[k]["exp_avg_sq"], b.adam_state[k]["exp_avg_sq"])):
+                if not torch.equal(x, y):
+                    print(f"differ at step {step + 1}: {what} {k}")
+                    return
+    print("same")
+
+
+def _run(code: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_onepass_is_bitwise_the_separate_passes(precision):
+    assert _run(f"from tests.test_onepass_optimizer import compare; compare({precision!r})") == "same"
+
+
+def test_a_kernel_that_ignores_the_clip_coefficient_is_caught():
+    out = _run("from tests.test_onepass_optimizer import compare; compare('bf16', drop_scale=True)")
+    assert out.startswith("differ at step 1"), out
+
+
+def test_kernel_grad_scale_equals_scaling_the_grads():
+    code = """
+import torch
+from forgetrain.kernels import adamw_step
+g0 = torch.Generator().manual_seed(1)
+shapes = [(33, 7), (100,), (64, 48)]
+def state():
+    g = torch.Generator().manual_seed(2)
+    w = [torch.randn(*s, generator=g) for s in shapes]
+    return ([x.to(torch.bfloat16) for x in w], [torch.randn(*s, generator=g) * 1e-2 for s in shapes],
+            [torch.zeros(*s) for s in shapes], [torch.zeros(*s) for s in shapes], w)
+c = torch.tensor([0.37])
+p1, g1, m1, v1, w1 = state(); p2, g2, m2, v2, w2 = state()
+adamw_step(p1, g1, m1, v1, w1, step=3, lr=1e-3, beta2=0.95, wd=0.1, grad_scale=c)
+adamw_step(p2, [g * c for g in g2], m2, v2, w2, step=3, lr=1e-3, beta2=0.95, wd=0.1)
+same = all(torch.equal(x, y) for a, b in ((p1, p2), (m1, m2), (v1, v2), (w1, w2)) for x, y in zip(a, b))
+untouched = all(torch.equal(a, b) for a, b in zip(g1, g2))
+for bad in (torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.5, 0.5])):
+    try:
+        adamw_step(p1, g1, m1, v1, w1, step=3, lr=1e-3, grad_scale=bad)
+        print("accepted a bad grad_scale"); raise SystemExit
+    except ValueError:
+        pass
+print("ok" if same and untouched else f"same={same} grads_untouched={untouched}")
+"""
+    assert _run(code) == "ok"
+
+
+def test_onepass_needs_fast_triton_and_no_zero():
+    from forgetrain.config import validate
+    from forgetrain.errors import ConfigError
+    from tests.test_fast_tiers import fast_cfg
+
+    for kernels, engine in (({"adamw": "fused"}, {}), ({"adamw": "triton"}, {"mode": "exact"})):
+        c = fast_cfg(kernels, {"onepass_optimizer": True})
+        c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, **engine))
+        with pytest.raises(ConfigError, match="engine.onepass_optimizer=true needs"):
+            validate(c)
+    validate(fast_cfg({"adamw": "triton"}, {"onepass_optimizer": True}))
