@@ -110,3 +110,22 @@ def test_readme_documents_every_forgetrain_environment_variable():
         readers = {str(f.relative_to(root)) for f in (root / "forgetrain").rglob("*.py")
                    if re.search(r"environ[^\n]{0,12}[\"']" + var + r"[\"']", f.read_text())}
         assert all(r in rows[var] for r in readers), (var, readers, rows[var])
+
+
+def test_quiet_libraries_keeps_the_users_own_future_warnings():
+    """The CLI silences the libraries' FutureWarnings only: one attributed to megatron, deepspeed or torch is
+    hidden, the user's own (a scenario module, a script) still shows (every FutureWarning was ignored)."""
+    import subprocess
+    import sys
+
+    code = ("import warnings\nfrom forgetrain.cli import _quiet_libraries\n_quiet_libraries()\n"
+            "for mod in ('megatron.core.tensor_parallel.layers', 'deepspeed.runtime.engine', 'torch.amp', "
+            "'scenarios.my_engine', '__main__'):\n"
+            "    warnings.warn_explicit(f'deprecated in {mod}', FutureWarning, mod.replace('.', '/') + '.py', 1, "
+            "module=mod)\n")
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr
+    shown = [ln for ln in p.stderr.splitlines() if "FutureWarning" in ln]
+    assert len(shown) == 2 and "scenarios.my_engine" in shown[0] and "__main__" in shown[1], p.stderr
