@@ -20,12 +20,20 @@ _HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--vers
                 "--resolve", "--package", "-p", "--experimental-rerun")
 
 
+# FutureWarnings that the libraries raise about their own or torch's deprecated APIs (a warning is attributed to
+# the module that its stacklevel points at): not the user's to act on. A FutureWarning from the user's own code,
+# or from torch about a call in the user's code, still shows.
+LIBRARY_WARNING_MODULES = r"(torch|megatron|deepspeed|torchtitan|transformer_engine|apex)(\..*)?$"
+
+
 def _quiet_libraries() -> None:
+    """Silence the reference libraries' start-up noise: their FutureWarnings (:data:`LIBRARY_WARNING_MODULES`), the
+    missing Transformer Engine / Apex notices, torch.distributed's and megatron's info logs."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=LIBRARY_WARNING_MODULES)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -522,6 +522,9 @@ def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:
             write_plots(recs, str(out / "loss.png"))
         if progress:
             _print_summary(summary)
+    if env.rank == 0 and stop < t.steps and progress:  # a deliberate stop: say how to go on
+        print(f"stopped after step {stop} of {t.steps} (train.stop_after={t.stop_after}); "
+              f"{_resume_hint(run.ckpt_root, out)}, keeping the other overrides", file=sys.stderr, flush=True)
     if run.wandb_logger:
         run.wandb_logger.finish()
 

@@ -296,6 +296,27 @@ def test_tolerance_bf16_is_looser(tmp_path):
     assert not v.passed and v.first_divergence["step"] == 2
 
 
+def test_tolerance_summary_says_when_the_fp32_oracle_decided(tmp_path):
+    """A bf16 reference that drifted from its fp32 oracle in grad norm at step 3, a candidate that stayed on the
+    oracle: it passes, and the summary says that the grad norm was judged against the oracle, with the direct
+    error and threshold (a plain ``pass`` hid it)."""
+    oracle = base_run()
+    ref, cand = copy.deepcopy(oracle), copy.deepcopy(oracle)
+    for r in (ref, cand):
+        r["precision"] = "bf16"
+    ref["records"][2]["grad_norm"] *= 1.04
+    v = tolerance(write_run(tmp_path / "ref", ref), write_run(tmp_path / "cand", cand),
+                  oracle_dir=write_run(tmp_path / "oracle", oracle))
+    assert v.passed, v.summary
+    assert "grad_norm judged against the fp32 oracle at 1 step(s) (direct rel 0.0384615 > 0.02)" in v.summary, \
+        v.summary
+    assert "loss judged" not in v.summary and "final params judged" not in v.summary
+    # the same pair without a drift: the oracle decided nothing, the summary says nothing of it
+    v = tolerance(write_run(tmp_path / "ref2", cand), write_run(tmp_path / "cand2", cand),
+                  oracle_dir=write_run(tmp_path / "oracle2", oracle))
+    assert v.passed and "oracle" not in v.summary, v.summary
+
+
 def test_tolerance_rejects_lr_tokens_nan_and_precision_mismatch(pair):
     ref, make = pair
 

@@ -45,6 +45,10 @@ RUNTIME_ESCAPES = [  # (patch, class, label, what the first problem names)
     ("escape_spawn", 2, "rejected: forbidden import", "a process started from engine code"),
     ("escape_outside_module", 3, "rejected: unscanned code", ".gate/helper.py"),
     ("escape_rewrite_engine", 3, "rejected: unscanned code", "model.py"),
+    # bytecode for a harness module planted in the cache the next process loads: from the candidate's process
+    # (named file by file), and from a process it leaves behind to write after its checks (killed, named)
+    ("escape_pyc_own_cache", 3, "rejected: unscanned code", f"trace.{sys.implementation.cache_tag}.pyc"),
+    ("escape_pyc_survivor", 3, "rejected: unscanned code", "outlived it"),
 ]
 
 
@@ -53,9 +57,11 @@ def escapes_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("forge_escapes")
     rounds = {i + 1: [p] for i, (p, *_) in enumerate(RUNTIME_ESCAPES)}
     rounds[len(rounds) + 1] = ["engine_comment"]  # honest: must still seal
-    state = forge(micro_rc(), options(tmp, max_rounds=len(rounds)), agent_for(tmp, rounds),
-                  gate_paths=fake_gates(tmp))
-    return {"state": state, "log": log_of(tmp / "out"), "out": tmp / "out"}
+    agent, marker = agent_for(tmp, rounds), tmp / "planted_bytecode_ran"
+    plan = Path(agent.command.split()[-1])
+    plan.write_text(json.dumps(dict(json.loads(plan.read_text()), vars={"repo": str(ROOT), "marker": str(marker)})))
+    state = forge(micro_rc(), options(tmp, max_rounds=len(rounds)), agent, gate_paths=fake_gates(tmp))
+    return {"state": state, "log": log_of(tmp / "out"), "out": tmp / "out", "marker": marker}
 
 
 @pytest.mark.parametrize("i", range(len(RUNTIME_ESCAPES)), ids=[e[0] for e in RUNTIME_ESCAPES])
@@ -68,6 +74,12 @@ def test_runtime_escape_is_rejected_naming_its_class(escapes_run, i):
     assert not rec["target_met"] and rec["strictest_passed"] is None
     brief = (escapes_run["out"] / "rounds" / str(i + 2) / "BRIEF.md").read_text()
     assert f"escape class {cls}" in brief  # the agent is told why
+
+
+def test_planted_bytecode_never_runs_in_a_later_process(escapes_run):
+    """The planted ``forgetrain/trace.py`` bytecode appends to the marker when a process loads it: no later ladder,
+    golden or candidate process of the run may have loaded it (the rejected round's writes are not reused)."""
+    assert not escapes_run["marker"].exists(), escapes_run["marker"].read_text()
 
 
 def test_honest_round_after_the_escapes_seals_and_the_workspace_is_clean(escapes_run):

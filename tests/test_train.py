@@ -64,6 +64,9 @@ def test_resume_is_bitwise(tmp_path):
     p1 = run([*FAST, "train.digests=true", "train.stop_after=3", f"train.out_dir={part}"])
     assert p1.returncode == 0, p1.stderr[-2000:]
     assert len(records(part)) == 3
+    # the stop says how to go on: one line with the exact overrides that resume (it exited silently)
+    assert (f"stopped after step 3 of 6 (train.stop_after=3); last checkpoint: step_000003 (continue with "
+            f"train.resume=true train.out_dir={part})") in p1.stderr, p1.stderr[-2000:]
     p2 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])
     assert p2.returncode == 0, p2.stderr[-2000:]
     assert "resumed from" in p2.stderr

@@ -1,7 +1,7 @@
 """The candidate's side of a ladder run, in a process of its own that only writes the candidate's trace.
 
 ``python -m forgetrain.forge._candidate --spec SPEC --workspace WS --tier TIER --out DIR --ladder-dir L
-[--init F] [--time-steps N] --report-fd FD`` (started by ``forgetrain.forge._ladder``, never by hand).
+[--init F] [--time-steps N] --report-fd FD [--judge-cache C]`` (started by ``forgetrain.forge._ladder``, never by hand).
 
 The harness (torch, ``forgetrain.*``) is imported first; then the run-time guard is installed
 (:func:`forgetrain.forge.runtime_guard.install`, reporting on the pipe ``FD``), and only then is ``WS/engine``
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder-dir", required=True, help="the ladder run's dir (the judge's files)")
     ap.add_argument("--time-steps", type=int, default=0)
     ap.add_argument("--report-fd", type=int, required=True)
+    ap.add_argument("--judge-cache", default=None, help="the harness's bytecode cache (this process gets a view)")
     a = ap.parse_args(argv)
     fd, finish, status = a.report_fd, None, 0
     try:
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         from forgetrain.data.prepare import default_cache_dir
 
         policy = runtime_guard.build_policy(ws / ENGINE_DIR, out, init, Path(spec["golden_root"]), ws,
-                                            Path(a.ladder_dir), rc.data.cache_dir or default_cache_dir())
+                                            Path(a.ladder_dir), rc.data.cache_dir or default_cache_dir(),
+                                            Path(a.judge_cache) if a.judge_cache else None)
         finish = runtime_guard.install(policy, fd)
         engine_cls = load_engine_class(ws / ENGINE_DIR)
         if a.time_steps:

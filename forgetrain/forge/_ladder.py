@@ -16,10 +16,13 @@ at the first that passes; target ``surpass`` tries the short-run tiers (bitwise,
    judge's code before any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference,
    candidate).
 
-Every side uses the forge run's private bytecode cache (the loop passes it as ``PYTHONPYCACHEPREFIX``; run by
-hand, ``OUT/pycache``), which a candidate's process only reads. Writes the result JSON (``ok``, ``error``, ``rejected``,
-``verdicts``, ``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``,
-``wall_s``) and prints the verdict table. Exit 0 when the target is met, 1 when not, 3 when the candidate (or a
+The golden sides use the forge run's private bytecode cache (the loop passes it as ``PYTHONPYCACHEPREFIX``; run
+by hand, ``OUT/pycache``); each candidate's process gets a private view of it
+(``forgetrain.forge.sandbox.candidate_cache``), compared file by file once the process and everything it started
+have ended (this process is their subreaper on Linux): a change rejects the candidate naming the file, and the
+harness's cache starts over. Writes the result JSON (``ok``, ``error``, ``rejected``, ``verdicts``,
+``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``, ``wall_s``) and prints
+the verdict table. Exit 0 when the target is met, 1 when not, 3 when the candidate (or a
 gate) failed to run, 4 when the candidate was rejected.
 """
 
@@ -119,9 +122,11 @@ class _Sides:
 
         cmd = [self.py, "-m", "forgetrain.forge._golden", "--spec", str(self.spec_file),
                "--out", str(self.out / "_golden"), *extra]
+        kids = set(procs.children())
         with open(self.log, "ab") as log:
             rc, _, _ = procs.run_group(cmd, cwd=self.out, env=sandbox.sandbox_env(self.cache, writable=True),
                                        timeout_s=None, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        procs.kill_leftovers(kids)
         if rc != 0:
             raise RuntimeError(f"the reference's side failed (rc={rc}); see {self.log}")
 
@@ -137,15 +142,27 @@ class _Sides:
                str(self.ws), "--tier", tier, "--out", str(d), "--ladder-dir", str(self.out)] + \
             (["--init", str(init)] if init else []) + \
             (["--time-steps", str(time_steps)] if time_steps else [])
-        golden, cache = sandbox.stat_signature([self.golden_root]), sandbox.stat_signature([self.cache])
-        rc, _, lines = procs.run_reporting(cmd, cwd=d, env=sandbox.sandbox_env(self.cache, writable=False),
-                                           log_path=self.log, timeout_s=None)
+        view = self.out / "_pycache_candidate"  # the process's private view of the harness's bytecode cache
+        view_sig, cache_sig = sandbox.candidate_cache(self.cache, view), sandbox.stat_signature([self.cache])
+        golden, kids = sandbox.stat_signature([self.golden_root]), set(procs.children())
+        rc, _, lines = procs.run_reporting(cmd + ["--judge-cache", str(self.cache)], cwd=d,
+                                           env=sandbox.sandbox_env(view, writable=False), log_path=self.log,
+                                           timeout_s=None)
+        left = procs.kill_leftovers(kids)  # before the checks: nothing the candidate started acts after them
         rep = sandbox.read_report(lines)
         violations = rep["violations"]
+        violations += [(3, f"a process the candidate started outlived it ({x}); code the guard never saw could "
+                           f"run after its checks (killed)") for x in left]
         if sandbox.stat_signature([self.golden_root]) != golden:
             violations.append((1, f"the goldens under {self.golden_root} changed while the candidate ran"))
-        if sandbox.stat_signature([self.cache]) != cache:
-            violations.append((3, f"the bytecode cache {self.cache} changed while the candidate ran"))
+        changes = [c.replace(str(view), "<candidate's cache>", 1) for c in
+                   sandbox.cache_changes(view_sig, sandbox.stat_signature([view]))] + \
+            [c.replace(str(self.cache), "<harness's cache>", 1) for c in
+             sandbox.cache_changes(cache_sig, sandbox.stat_signature([self.cache]))]
+        shutil.rmtree(view, ignore_errors=True)
+        if changes:  # nothing of it may be loaded by a later process: the harness's cache starts over
+            sandbox.fresh_cache(self.cache)
+            violations += [(3, f"bytecode the candidate's process wrote: {c}") for c in changes[:20]]
         if violations:
             return sandbox.rejection(violations, f"{tier} candidate run")
         if rep["error"]:
@@ -298,10 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     from forgetrain.cli import _quiet_libraries
-    from forgetrain.forge.procs import kill_active
+    from forgetrain.forge.procs import become_subreaper, kill_active
     from forgetrain.trace import atomic_write_json
 
     signal.signal(signal.SIGTERM, kill_active)  # killed at its time limit: the sides it started go too
+    become_subreaper()  # what a side leaves behind, even out of its process group, is re-parented here
 
     ap = argparse.ArgumentParser(prog="python -m forgetrain.forge._ladder", description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", required=True, help="ladder spec JSON (gates/ladder_spec.json in a workspace)")

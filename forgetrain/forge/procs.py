@@ -1,9 +1,11 @@
 """The forge's processes: the agent, the ladder, and the sandboxed sides the ladder starts.
 
 Every process runs with a time limit and its leftovers are killed when it returns (:func:`run_group`), so nothing
-keeps writing after the harness moves on. The ladder and the golden and candidate sides it starts use the
-forge run's private bytecode cache (:func:`forgetrain.forge.sandbox.sandbox_env`); a candidate's side only reads
-it.
+keeps writing after the harness moves on. A process that left its group (``setsid``, ``setpgid``) escapes that
+kill; the ladder process therefore becomes its orphans' reaper (:func:`become_subreaper`, Linux) and, after each
+side, kills whatever the side left behind (:func:`kill_leftovers`): nothing a candidate started can act after its
+checks. The ladder and the golden sides use the forge run's bytecode cache, and each candidate's side a private
+copy of it (:func:`forgetrain.forge.sandbox.sandbox_env`, :func:`forgetrain.forge.sandbox.candidate_cache`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,9 +26,96 @@ from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.sandbox import private_cache, sandbox_env
 
 
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are re-parented to this process, not to init
+_SUBREAPER = False  # set by become_subreaper(): this process reaps the orphans it adopts
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``): a process
+    that a side started and that left the side's process group is re-parented here when its parent exits, where
+    :func:`kill_leftovers` finds it. Returns whether it took effect (False off Linux: docs/forge.md, threat
+    model)."""
+    global _SUBREAPER
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        _SUBREAPER = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        _SUBREAPER = False
+    return _SUBREAPER
+
+
+def children() -> dict[int, str]:
+    """{pid: state} of this process's children (``/proc/*/stat``; empty where there is no ``/proc``)."""
+    me, out = os.getpid(), {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for n in names:
+        if not n.isdigit():
+            continue
+        try:
+            with open(f"/proc/{n}/stat", "rb") as f:
+                rest = f.read().decode(errors="replace").rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if len(rest) > 1 and rest[1].isdigit() and int(rest[1]) == me:
+            out[int(n)] = rest[0]
+    return out
+
+
+def _reap_adopted() -> None:
+    """Reap the zombies among the orphans this process adopted as a subreaper (never a Popen's own child)."""
+    if not _SUBREAPER:
+        return
+    ours = {p.pid for p in _ACTIVE}
+    for pid, state in children().items():
+        if state == "Z" and pid not in ours:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def kill_leftovers(before: set[int], grace_s: float = 0.5, limit_s: float = 10.0) -> list[str]:
+    """SIGKILL every live child of this process that is not in ``before`` (its children before a side started) and
+    not a running side: the orphans a side left behind, re-parented here (:func:`become_subreaper`). One that ends
+    by itself within ``grace_s`` (a worker exiting because its parent died) is reaped, not counted. Repeats until
+    none is left (a killed orphan's own children are adopted in turn). Returns ``pid N: command line`` of each
+    one killed."""
+    found: dict[int, str] = {}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        _reap_adopted()
+        ours = {p.pid for p in _ACTIVE} | set(before)
+        live = [pid for pid, state in children().items() if pid not in ours and state not in "ZX"]
+        if not live:
+            break
+        if time.monotonic() - t0 >= grace_s:
+            for pid in live:
+                if pid not in found:
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as f:
+                            cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+                    except OSError:
+                        cmd = ""
+                    found[pid] = f"pid {pid}: {cmd[:200] or '?'}"
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.02)
+    _reap_adopted()
+    return list(found.values())
+
+
 def kill_group(p: subprocess.Popen, grace_s: float = 3.0) -> None:
     """SIGTERM the process group led by ``p``, then SIGKILL what is left after ``grace_s``. The leader is reaped
-    while waiting (a zombie still counts as a group member for ``killpg(pgid, 0)``)."""
+    while waiting (a zombie still counts as a group member for ``killpg(pgid, 0)``), and so are the group's members
+    this process adopted as a subreaper."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         try:
             os.killpg(p.pid, sig)
@@ -34,6 +124,7 @@ def kill_group(p: subprocess.Popen, grace_s: float = 3.0) -> None:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             p.poll()
+            _reap_adopted()
             try:
                 os.killpg(p.pid, 0)
             except (ProcessLookupError, PermissionError):

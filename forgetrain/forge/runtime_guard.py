@@ -19,7 +19,7 @@ What the hook watches (the escape classes are :data:`forgetrain.forge.sandbox.ES
   the interpreter's objects (``gc.get_referrers`` ...) or tracing frames (``sys.settrace``) from engine code
   -> class 1; reading a reference's source -> class 2;
 * writes (open for writing, rename, remove, ...) into the repository's gate directories -> class 4, into the
-  workspace or the forge's bytecode cache -> class 3, into the goldens or the ladder run's dir -> class 1.
+  workspace or a bytecode cache -> class 3, into the goldens or the ladder run's dir -> class 1.
 
 After the run (:func:`install`'s returned check): a forbidden module in ``sys.modules`` -> class 2; a candidate
 module not loaded from a ``.py`` file in engine/, or a module from outside the code roots -> class 3; a harness
@@ -135,18 +135,21 @@ def code_roots(engine_dir: Path) -> list[str]:
 
 
 def build_policy(engine_dir: Path, own_out: Path, init: Path | None, golden_root: Path, workspace: Path,
-                 ladder_dir: Path, data_dir: str | None = None) -> Policy:
+                 ladder_dir: Path, data_dir: str | None = None, judge_cache: Path | None = None) -> Policy:
     """The policy of one candidate run: ``own_out`` is its output dir, ``init`` the copy of the reference's init
     weights it starts from, ``golden_root`` the run's goldens, ``ladder_dir`` the ladder run's dir (the judge's
     files), ``data_dir`` the data cache the harness prepares batches in (read and written by the harness's loader
-    in this process; allowed)."""
+    in this process; allowed), ``judge_cache`` the harness's bytecode cache (this process reads its own view,
+    ``sys.pycache_prefix``; the harness's is neither read nor written)."""
     forbidden = forbidden_package_dirs(workspace)
-    cache = [_real(sys.pycache_prefix)] if sys.pycache_prefix else []  # the forge run's bytecode cache
+    cache = [_real(sys.pycache_prefix)] if sys.pycache_prefix else []  # this process's view of the bytecode cache
+    judge = [(_real(judge_cache), 3)] if judge_cache is not None else []
     data = [_real(data_dir)] if data_dir else []
     read_allow = [_real(own_out), _real(engine_dir)] + ([_real(init)] if init is not None else []) + cache + data
-    read_deny = [(_real(golden_root), 1), (_real(ladder_dir), 1)] + [(d, 2) for d, _ in forbidden]
+    read_deny = [(_real(golden_root), 1), (_real(ladder_dir), 1)] + [(d, 2) for d, _ in forbidden] + judge
     write_deny = [(_real(REPO_ROOT / d), 4) for d in GATE_DIRS] + [(_real(workspace), 3), (_real(golden_root), 1),
-                                                                      (_real(ladder_dir), 1)] + [(c, 3) for c in cache]
+                                                                      (_real(ladder_dir), 1)] + \
+        [(c, 3) for c in cache] + judge
     installed = frozenset(r for _, r in forbidden)
     return Policy(_real(engine_dir), tuple(read_allow), (_real(own_out),) + tuple(data), tuple(read_deny),
                   tuple(write_deny), tuple(forbidden), installed, tuple(code_roots(engine_dir)))

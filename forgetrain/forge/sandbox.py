@@ -15,8 +15,11 @@ its class (:func:`reason`), defined once here:
 3. *code that runs but was never scanned* -- bytecode or native modules beside the scanned source, modules from
    outside ``engine/``, an engine rewritten while it is judged. Bytecode is refused in the workspace
    (:func:`unscanned_files`); the candidate's modules are compiled from their ``.py`` source only
-   (``workspace.load_engine_class``); and every forge process uses a private bytecode cache that starts empty
-   and that only the harness writes (:func:`sandbox_env`), so no ``__pycache__`` anyone else wrote runs.
+   (``workspace.load_engine_class``); the forge's processes use a private bytecode cache that starts empty and
+   that only the harness's own processes write (:func:`sandbox_env`), so no ``__pycache__`` anyone else wrote
+   runs; each candidate process gets a private view of it (:func:`candidate_cache`), compared file by file after
+   the process and what it started have ended (:func:`cache_changes`): a change names the file, and the harness's
+   cache is emptied, so no bytecode a candidate wrote is ever loaded by another process.
 4. *an edit outside the hashed gate set* -- the hashed set is everything of the repository that the judge or the
    candidate's process imports or reads (:func:`gate_paths`: all of ``forgetrain/``, ``references/``,
    ``conf/``, ``tests/``, plus the interpreter's site hooks); a change aborts the run and names the file.
@@ -134,11 +137,46 @@ def fresh_cache(cache_dir: Path) -> Path:
     return cache_dir
 
 
+def candidate_cache(judge_cache: Path, dest: Path) -> dict[str, tuple]:
+    """Make ``dest`` a candidate process's private bytecode cache: the tree of ``judge_cache`` (the bytecode the
+    harness's processes compiled) with every file hard-linked, or copied across file systems. The candidate adds,
+    replaces or removes files in its own tree only; a write into a linked file's data would reach the harness's
+    copy, and is caught by :func:`cache_changes` (its ctime moves). Returns the view's :func:`stat_signature`.
+    Costs one link per file (about 1,700 files with torch: docs/forge.md, threat model), where an empty cache
+    would recompile torch in every candidate process."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for dirpath, dirnames, filenames in os.walk(judge_cache):
+        rel = Path(dirpath).relative_to(judge_cache)
+        for d in dirnames:
+            (dest / rel / d).mkdir()
+        for f in filenames:
+            try:
+                os.link(Path(dirpath) / f, dest / rel / f)
+            except OSError:
+                shutil.copy2(Path(dirpath) / f, dest / rel / f)
+    return stat_signature([dest])
+
+
+def cache_changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    """``added F`` / ``removed F`` / ``changed F`` for every file whose :func:`stat_signature` entry differs."""
+    out = []
+    for k in sorted(set(before) | set(after)):
+        if k not in after:
+            out.append(f"removed {k}")
+        elif k not in before:
+            out.append(f"added {k}")
+        elif before[k] != after[k]:
+            out.append(f"changed {k}")
+    return out
+
+
 def sandbox_env(cache_dir: Path, *, writable: bool, base: dict | None = None) -> dict:
     """The environment of a forge process: the repository first on ``PYTHONPATH``; ``cache_dir`` as the whole
     bytecode cache (``PYTHONPYCACHEPREFIX``: no ``__pycache__`` of the repository, the workspace or the installed
     packages is ever read), which only the harness's own processes write (``writable``; a candidate's process gets
-    ``PYTHONDONTWRITEBYTECODE`` and its guard refuses writes there); no script dir or cwd on ``sys.path``
+    its private view, :func:`candidate_cache`, with ``PYTHONDONTWRITEBYTECODE``, and its guard refuses writes
+    there); no script dir or cwd on ``sys.path``
     (``PYTHONSAFEPATH``), no user site, and none of the agent round's ``FORGE_*`` variables."""
     env = {k: v for k, v in (os.environ if base is None else base).items()
            if not k.startswith("FORGE_") and k not in ("PYTHONSTARTUP", "PYTHONINSPECT", "PYTHONUSERBASE",

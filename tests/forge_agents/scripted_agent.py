@@ -9,8 +9,10 @@ Each entry is a patch name (``patches/<name>.json``: ``{"description", "ops": [.
 * ``replace``: ``path``, ``old``, ``new`` -- exact text replacement (fails loudly when ``old`` is absent);
 * ``write`` / ``append``: ``path``, ``text`` (``path`` relative to the workspace, or absolute);
 * ``pyc``: ``path``, and ``source`` (text) or ``source_from`` (a file, with optional ``old`` -> ``new``
-  replacement) -- writes that source compiled to bytecode at ``path``; with ``stamp_like`` (a ``.py`` path) the
-  header carries that file's mtime and size, so Python would take the bytecode for that file's (a planted cache);
+  replacement and ``append`` text) -- writes that source compiled to bytecode at ``path``; with ``stamp_like`` (a
+  ``.py`` path) the header carries that file's mtime and size and the code that file's name, so Python would take
+  the bytecode for that file's (a planted cache); with ``"encoding": "base64"`` the bytes are written as base64
+  text (a payload the engine carries as data and plants at run time);
 * ``sleep``: ``seconds`` (a hung agent);
 * ``kill_harness``: SIGKILL the forge process ($FORGE_HARNESS_PID), once per plan (a marker file beside the plan
   remembers it), simulating a crash of the loop in the middle of a round;
@@ -22,6 +24,7 @@ replaced by the plan's ``vars`` (e.g. ``{"vars": {"gate_root": "/tmp/x"}}``): th
 copy of the repository's gate files.
 """
 
+import base64
 import importlib.util
 import json
 import marshal
@@ -56,6 +59,7 @@ def apply(op: dict, plan_path: Path) -> None:
         src = op["source"] if "source" in op else _path(op["source_from"]).read_text()
         if "old" in op:
             src = src.replace(op["old"], op["new"])
+        src += op.get("append", "")
         target = _path(op["path"])
         stamp = _path(op["stamp_like"]) if "stamp_like" in op else None
         code = compile(src, str(stamp or target), "exec")
@@ -63,7 +67,8 @@ def apply(op: dict, plan_path: Path) -> None:
         header = importlib.util.MAGIC_NUMBER + struct.pack(
             "<III", 0, int(st.st_mtime) & 0xFFFFFFFF if st else 0, (st.st_size if st else len(src.encode())) & 0xFFFFFFFF)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(header + marshal.dumps(code))
+        blob = header + marshal.dumps(code)
+        target.write_bytes(base64.b64encode(blob) if op.get("encoding") == "base64" else blob)
         print(f"pyc {target}")
     elif kind in ("replace", "write", "append"):
         p = _path(op["path"])
