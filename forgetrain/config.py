@@ -165,9 +165,13 @@ class EngineOptions:
 
 @dataclass
 class ScenarioConfig:
-    """Which forged engine to run. The engine is found through ``forgetrain.registry``."""
+    """Which forged engine to run, and under what name. A scenario is one file, ``conf/scenario/<name>.yaml``:
+    ``name`` must equal that file's stem (:func:`check_scenario_choice`) and ``engine`` names the engine class as
+    ``"module.path:ClassName"``, resolved by :func:`forgetrain.registry.resolve_engine` (several scenarios may name
+    the same engine)."""
 
     name: str = "llama_tiny_cpu"
+    engine: str = "scenarios.llama_tiny_cpu.engine:Engine"
     description: str = ""
 
 
@@ -235,6 +239,16 @@ def to_run_config(cfg: Any) -> RunConfig:
     )
 
 
+def check_scenario_choice(name: str, choice: str | None) -> None:
+    """``scenario.name`` must equal the stem of the scenario file Hydra composed (``choice``, from
+    ``hydra.runtime.choices.scenario``): the name keys output directories and goldens, so a copied file that kept
+    its old name would mix two scenarios' results. ``choice`` None (no scenario file composed) passes. Raises
+    ConfigError."""
+    if choice is not None and name != choice:
+        raise ConfigError(f"conf/scenario/{choice}.yaml sets scenario.name={name}; it must be the file's name, "
+                          f"{choice}")
+
+
 def grad_accum_steps(cfg: RunConfig) -> int:
     """Micro-batches per optimizer step on each DP rank: global / (micro x DP)."""
     t, p = cfg.train, cfg.parallel
@@ -248,6 +262,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     known = registry.scenarios()
     if cfg.scenario.name not in known:
         raise ConfigError(f"unknown scenario '{cfg.scenario.name}'; known scenarios: {', '.join(sorted(known))}")
+    registry.resolve_engine(cfg.scenario.engine)
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     for group, obj in (("model", m), ("train", t)):  # NaN / inf pass every ordering test below: reject them first
         for f in dataclasses.fields(obj):
