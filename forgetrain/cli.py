@@ -156,14 +156,16 @@ def _check_job(config_name: str, overrides: list[str]) -> str | None:
     unset). Raises ConfigError."""
     from omegaconf import OmegaConf, open_dict
 
-    from forgetrain.config import check_scenario_choice, to_run_config, validate
+    from forgetrain.config import check_model_choice, check_scenario_choice, to_run_config, validate
 
     cfg = _compose(config_name, overrides, hydra_node=True)
-    choice = OmegaConf.select(cfg, "hydra.runtime.choices.scenario")
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices")
     with open_dict(cfg):
         del cfg["hydra"]
     obj = OmegaConf.to_container(cfg, resolve=True)
-    check_scenario_choice(str(obj.get("scenario", {}).get("name")), choice)
+    scenario = str(obj.get("scenario", {}).get("name"))
+    check_scenario_choice(scenario, choices.get("scenario"))
+    check_model_choice(str(obj.get("model", {}).get("name")), choices.get("model"), scenario)
     if config_name in ("verify", "bench"):  # the command's own request (tier, references, steps...)
         importlib.import_module(f"forgetrain.{config_name}").check_request(obj)
     for extra in ("verify", "bench"):  # their own output directories, checked like train.out_dir

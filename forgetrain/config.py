@@ -245,8 +245,18 @@ def check_scenario_choice(name: str, choice: str | None) -> None:
     its old name would mix two scenarios' results. ``choice`` None (no scenario file composed) passes. Raises
     ConfigError."""
     if choice is not None and name != choice:
-        raise ConfigError(f"conf/scenario/{choice}.yaml sets scenario.name={name}; it must be the file's name, "
-                          f"{choice}")
+        raise ConfigError(f"scenario.name={name} is not the name of its file, conf/scenario/{choice}.yaml; "
+                          f"it must be {choice}")
+
+
+def check_model_choice(name: str, choice: str | None, scenario: str) -> None:
+    """A ``model=<preset>`` choice must be the model that was composed: a scenario that carries its own model
+    shape (``conf/scenario/llama3b_h200.yaml``) merges over any preset, so ``model=llama_micro`` there would be
+    silently ignored. ``choice`` (``hydra.runtime.choices.model``) None -- the scenario chose no preset -- passes.
+    Raises ConfigError."""
+    if choice is not None and name != choice:
+        raise ConfigError(f"model={choice} does not apply: scenario {scenario} sets its own model shape "
+                          f"(model.name={name}); override model.* fields instead (e.g. model.num_layers=4)")
 
 
 def grad_accum_steps(cfg: RunConfig) -> int:
