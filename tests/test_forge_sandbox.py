@@ -89,7 +89,7 @@ STATIC_ESCAPES = [
     ("escape_import_joined", 2, "rejected: forbidden import", "__import__() of a module name built at run time"),
     ("escape_exec_string", 2, "rejected: forbidden import", "exec() of code the guard never sees"),
     ("escape_bytecode_sourceless", 3, "rejected: unscanned code", "engine/_fast.pyc"),
-    ("escape_bytecode_cache", 3, "rejected: unscanned code", "engine/__pycache__/"),
+    ("escape_bytecode_cache", 3, "rejected: unscanned code", "engine/_llama/__pycache__/"),
 ]
 
 
