@@ -160,8 +160,10 @@ def test_engine_changed_while_judged_is_rejected_class_3(tmp_path):
                   ladder_fn=_TamperingLadder(ws / "engine" / "_llama" / "model.py"), gate_paths=fake_gates(tmp_path))
     rec = log_of(tmp_path / "out")[0]
     assert rec["guard"] == "rejected: unscanned code" and _classes(rec) == {3}, rec
-    assert any("engine/_llama/model.py" in p and "changed while the engine was judged" in p for p in rec["guard_problems"])
-    assert state["status"] == "exhausted" and "written while" not in (ws / "engine" / "_llama" / "model.py").read_text()
+    assert any("engine/_llama/model.py" in p and "changed while the engine was judged" in p
+               for p in rec["guard_problems"])
+    assert state["status"] == "exhausted"
+    assert "written while" not in (ws / "engine" / "_llama" / "model.py").read_text()
 
 
 def test_gates_changed_while_the_ladder_ran_abort(tmp_path):

@@ -1,4 +1,5 @@
-"""The Hopper engine (scenarios llama1b_h200 / llama3b_h200 / llama8b_h100) at tiny width on CPU: the same code CI can run.
+"""The Hopper engine (scenarios llama1b_h200 / llama3b_h200 / llama8b_h100) at tiny width on CPU: the same code
+CI can run.
 
 * exact mode, fp32 and bf16 (bf16 weights + fp32 main weights): bitwise against the Megatron-core reference;
 * fast mode (batch-first, SDPA, chunked LM-head CE) with each per-op kernel switch (torch | triton under the

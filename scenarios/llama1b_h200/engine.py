@@ -10,8 +10,9 @@ Precision (``train.precision=bf16``): bf16 model weights, fp32 main weights, fp3
 
 Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier is listed in ``optimisations.yaml``):
 
-* ``exact`` -- the op-by-op Megatron mirror (``scenarios/_llama/model.py``, whose alignment notes apply), torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and
-  clipping arithmetic. Target: **bitwise** vs the Megatron-core reference in deterministic mode.
+* ``exact`` -- the op-by-op Megatron mirror (``scenarios/_llama/model.py``, whose alignment notes apply),
+  torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and clipping
+  arithmetic. Target: **bitwise** vs the Megatron-core reference in deterministic mode.
 * ``fast`` -- ``fast.FastLlama``: batch-first, SDPA attention, chunked LM-head cross-entropy, optional
   ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
   Target: **loss-curve**, then **surpass**. ``engine.grad_accum_fusion=true`` (fast mode only) sends the weight
