@@ -169,7 +169,7 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
             eng.load_hf_weights(init)
         sides[name] = eng
     torch.manual_seed(cfg.train.seed)
-    forged = (engine_cls or registry.load_engine_class("scenarios", cfg.scenario.name))(cfg, device)
+    forged = (engine_cls or registry.resolve_engine(cfg.scenario.engine))(cfg, device)
     if init is not None:
         forged.load_hf_weights(init)
     return {"forged": forged, **sides}
@@ -355,7 +355,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
             torch.cuda.empty_cache()
         return out
 
-    forged_cls = engine_cls or registry.load_engine_class("scenarios", cfg.scenario.name)
+    forged_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
     first = block("forged", lambda: forged_cls(cfg, device))
     for name in against:
         try:

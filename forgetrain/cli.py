@@ -80,9 +80,9 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
                               f"unset (each job gets its own directory under hydra.sweep.dir) or sweep it too")
 
 
-def _compose(config_name: str, overrides: list[str]):
-    """Hydra's compose API over ForgeTrain's conf dir; Hydra's and OmegaConf's errors become one ConfigError line
-    (with a did-you-mean for an unknown key)."""
+def _compose(config_name: str, overrides: list[str], hydra_node: bool = False):
+    """Hydra's compose API over ForgeTrain's conf dir (with the ``hydra`` node when ``hydra_node``); Hydra's and
+    OmegaConf's errors become one ConfigError line (with a did-you-mean for an unknown key)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -91,7 +91,7 @@ def _compose(config_name: str, overrides: list[str]):
 
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return compose(config_name=config_name, overrides=overrides)
+            return compose(config_name=config_name, overrides=overrides, return_hydra_config=hydra_node)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
         msg = lines[0] if lines else type(e).__name__
@@ -162,12 +162,18 @@ def _sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], list[int]]:
 def _check_job(config_name: str, overrides: list[str]) -> str | None:
     """Compose one run and validate its values and output directories. Returns its train.out_dir (None when
     unset). Raises ConfigError."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
-    from forgetrain.config import to_run_config, validate
+    from forgetrain.config import check_model_choice, check_scenario_choice, to_run_config, validate
 
-    cfg = _compose(config_name, overrides)
+    cfg = _compose(config_name, overrides, hydra_node=True)
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices")
+    with open_dict(cfg):
+        del cfg["hydra"]
     obj = OmegaConf.to_container(cfg, resolve=True)
+    scenario = str(obj.get("scenario", {}).get("name"))
+    check_scenario_choice(scenario, choices.get("scenario"))
+    check_model_choice(str(obj.get("model", {}).get("name")), choices.get("model"), scenario)
     if config_name in ("verify", "bench"):  # the command's own request (tier, references, steps...)
         importlib.import_module(f"forgetrain.{config_name}").check_request(obj)
     for extra in ("verify", "bench"):  # their own output directories, checked like train.out_dir

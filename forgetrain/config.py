@@ -169,9 +169,13 @@ class EngineOptions:
 
 @dataclass
 class ScenarioConfig:
-    """Which forged engine to run. The engine is found through ``forgetrain.registry``."""
+    """Which forged engine to run, and under what name. A scenario is one file, ``conf/scenario/<name>.yaml``:
+    ``name`` must equal that file's stem (:func:`check_scenario_choice`) and ``engine`` names the engine class as
+    ``"module.path:ClassName"``, resolved by :func:`forgetrain.registry.resolve_engine` (several scenarios may name
+    the same engine)."""
 
     name: str = "llama_tiny_cpu"
+    engine: str = "scenarios.llama_tiny_cpu.engine:Engine"
     description: str = ""
 
 
@@ -239,6 +243,26 @@ def to_run_config(cfg: Any) -> RunConfig:
     )
 
 
+def check_scenario_choice(name: str, choice: str | None) -> None:
+    """``scenario.name`` must equal the stem of the scenario file Hydra composed (``choice``, from
+    ``hydra.runtime.choices.scenario``): the name keys output directories and goldens, so a copied file that kept
+    its old name would mix two scenarios' results. ``choice`` None (no scenario file composed) passes. Raises
+    ConfigError."""
+    if choice is not None and name != choice:
+        raise ConfigError(f"scenario.name={name} is not the name of its file, conf/scenario/{choice}.yaml; "
+                          f"it must be {choice}")
+
+
+def check_model_choice(name: str, choice: str | None, scenario: str) -> None:
+    """A ``model=<preset>`` choice must be the model that was composed: a scenario that carries its own model
+    shape (``conf/scenario/llama3b_h200.yaml``) merges over any preset, so ``model=llama_micro`` there would be
+    silently ignored. ``choice`` (``hydra.runtime.choices.model``) None -- the scenario chose no preset -- passes.
+    Raises ConfigError."""
+    if choice is not None and name != choice:
+        raise ConfigError(f"model={choice} does not apply: scenario {scenario} sets its own model shape "
+                          f"(model.name={name}); override model.* fields instead (e.g. model.num_layers=4)")
+
+
 def grad_accum_steps(cfg: RunConfig) -> int:
     """Micro-batches per optimizer step on each DP rank: global / (micro x DP)."""
     t, p = cfg.train, cfg.parallel
@@ -252,6 +276,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
     known = registry.scenarios()
     if cfg.scenario.name not in known:
         raise ConfigError(f"unknown scenario '{cfg.scenario.name}'; known scenarios: {', '.join(sorted(known))}")
+    registry.resolve_engine(cfg.scenario.engine)
     m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
     for group, obj in (("model", m), ("train", t)):  # NaN / inf pass every ordering test below: reject them first
         for f in dataclasses.fields(obj):

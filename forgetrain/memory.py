@@ -26,7 +26,7 @@ normed x fed to the QKV GEMM (2h); SDPA's saved q, k, v and output (nq*d + 2*nkv
 logsumexp (4*nq bytes); the pre-MLP-norm input and the normed x fed to fc1 (2h); fc1's output [gate; up] saved by
 SiLU*up (2f) and SwiGLU's output fed to fc2 (f). Outside the blocks: the final-norm input and the chunked CE's
 saved ``dh`` (2h). RoPE saves only its shared cos/sin tables. In exact mode (Megatron's unfused attention,
-``scenarios/llama_tiny_cpu/model.py``) K and V are repeated to nq heads before the bmm, so the per-token attention
+``scenarios/_llama/model.py``) K and V are repeated to nq heads before the bmm, so the per-token attention
 term is 4*nq*d, and each layer also saves the fp32 softmax and its compute-dtype copy: b * nq * s^2 * (4 + a).
 
 *LM head and cross-entropy* (alive together with every activation: the CE is the last op of the forward and the

@@ -306,7 +306,10 @@ def _setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: s
 
     torch.manual_seed(cfg.train.seed)
     name = engine_name or cfg.scenario.name
-    engine = (engine_cls or registry.load_engine_class(kind, name))(cfg, device)
+    if engine_cls is None:
+        engine_cls = (registry.resolve_engine(cfg.scenario.engine) if kind == "scenarios"
+                      else registry.load_engine_class(kind, name))
+    engine = engine_cls(cfg, device)
     if init_hf is not None:
         engine.load_hf_weights(init_hf)
     if export_init and not cfg.train.resume:

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from scenarios.llama_tiny_cpu import model as M
+from scenarios._llama import model as M
 from scenarios.llama_tiny_cpu.engine import Engine as Good
 
 

@@ -16,7 +16,6 @@ rank 0 writes the trace. Exits non-zero on the first failing job. Used by ``test
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -53,8 +52,9 @@ def run_job(job: dict) -> Path:
                      export_init=True)
     engine_cls = None
     if job.get("engine"):
-        mod, cls = job["engine"].split(":")
-        engine_cls = getattr(importlib.import_module(mod), cls)
+        from forgetrain.registry import resolve_engine
+
+        engine_cls = resolve_engine(job["engine"])
     init = load_file(job["init"]) if job.get("init") and not job.get("resume") else None
     return train(run_cfg, init_hf=init, progress=False, engine_cls=engine_cls)
 

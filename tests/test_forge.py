@@ -65,7 +65,7 @@ class StubLadder:
 
     def __call__(self, spec_path, ws, out, timeout_s, log_path):
         self.calls += 1
-        wrong = "self.eps * 10.0" in (ws / "engine" / "model.py").read_text()
+        wrong = "self.eps * 10.0" in (ws / "engine" / "_llama" / "model.py").read_text()
         div = {"step": 1, "kind": "module_fwd", "module": "layers.0.input_norm", "ref": {"l2": 63.2},
                "cand": {"l2": 57.2}}
         v = {"tier": "bitwise", "passed": not wrong, "evidence": {},
@@ -125,12 +125,12 @@ def test_fix_passes_ladder_and_seals(run1):
     assert seal["source_hash"] == wsmod.source_hash(out / "sealed" / "engine")
     assert seal["optimisations"][0]["passed_tier"] == "bitwise"
     assert seal["versions"].get("torch") and seal["device"]["hardware"] == "cpu"
-    assert "self.eps)" in (out / "sealed" / "engine" / "model.py").read_text()
+    assert "self.eps)" in (out / "sealed" / "engine" / "_llama" / "model.py").read_text()
     ws = out / "workspace"
     assert "round 2: PASS bitwise" in wsmod.git(ws, "log", "--format=%s")
     assert wsmod.git(ws, "rev-parse", "sealed") == wsmod.git(ws, "rev-parse", "HEAD")
     # the failing round is kept as a snapshot ref, off the branch
-    assert "self.eps * 10.0" in wsmod.git(ws, "show", "refs/forge/rounds/1:engine/model.py")
+    assert "self.eps * 10.0" in wsmod.git(ws, "show", "refs/forge/rounds/1:engine/_llama/model.py")
     lessons = KnowledgeBase(run1["tmp"] / "kb.jsonl").load()
     assert len(lessons) == 1 and lessons[0]["tier"] == "bitwise"
     assert any("self.eps" in ln for ln in lessons[0]["fixes"][0]["lines"])
@@ -164,10 +164,11 @@ def test_sealed_engine_seeds_next_run_and_installs(run1, tmp_path):
     assert state["seed"]["seed_from"] == str(sealed / "engine")
     dest = install(sealed, tmp_path / "scenarios" / "forged")
     assert (dest / "engine.py").exists() and (dest / "SEAL.json").exists()
-    assert "from .model import" in (dest / "engine.py").read_text()
+    assert "from ._llama.model import" in (dest / "engine.py").read_text()  # its own copy of the shared parts
+    assert (dest / "_llama" / "model.py").is_file()
     (sealed.parent / "tampered").mkdir()
     shutil.copytree(sealed, sealed.parent / "tampered" / "s")
-    with open(sealed.parent / "tampered" / "s" / "engine" / "model.py", "a") as f:
+    with open(sealed.parent / "tampered" / "s" / "engine" / "_llama" / "model.py", "a") as f:
         f.write("# edited after sealing\n")
     with pytest.raises(ConfigError, match="does not match its seal"):
         install(sealed.parent / "tampered" / "s", tmp_path / "scenarios" / "x")
@@ -334,6 +335,53 @@ def test_seed_rewrites_scenario_imports_to_relative():
     assert "from scenarios.other.model import X" in out
 
 
+def test_seed_rewrites_shared_part_imports_to_relative():
+    """Shared parts (scenarios/_llama) become engine/_llama/: imports of them are relative from every depth."""
+    src = ("from scenarios._llama import layout, optim\nfrom scenarios._llama.model import Llama\n"
+           "def f():\n    from scenarios.llama1b_h200.fast import FastLlama\n")
+    out = wsmod.rewrite_scenario_imports(src, "llama1b_h200", ("_llama",))
+    assert "from ._llama import layout, optim" in out and "from ._llama.model import Llama" in out
+    assert "    from .fast import FastLlama" in out
+    inner = wsmod.rewrite_scenario_imports(src, "llama1b_h200", ("_llama",), here=("_llama",))
+    assert "from . import layout, optim" in inner and "from .model import Llama" in inner
+    assert "from ..fast import FastLlama" in inner
+
+
+def test_seed_gives_a_reused_engine_its_own_copy(tmp_path):
+    """llama8b_h100 names the Hopper engine of scenarios/llama1b_h200: the workspace holds a copy of that package
+    and of scenarios/_llama, imports nothing from scenarios/, and its scenario.yaml names the workspace engine."""
+    import ast
+
+    spec = tmp_path / "spec.json"
+    spec.write_text("{}")
+    ws = tmp_path / "ws"
+    info = wsmod.seed(ws, "llama8b_h100", None, "megatron", spec)
+    assert info["template"].endswith("scenarios/llama1b_h200") and info["shared"] == ["_llama"]
+    for f in ["engine.py", "fast.py", "wgrad.py", "_llama/model.py", "_llama/parallel.py", "_llama/optim.py"]:
+        assert (ws / "engine" / f).is_file(), f
+    for f in (ws / "engine").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not any(m.startswith("scenarios") for m in mods), (f, mods)
+    assert OmegaConf.load(ws / "scenario.yaml").scenario.engine == "engine.engine:Engine"
+    assert OmegaConf.load(ws / "scenario.yaml").scenario.name == "llama8b_h100"
+    cls = wsmod.load_engine_class(ws / "engine", entry=wsmod.workspace_entry(ws))
+    from scenarios.llama1b_h200.engine import Engine as Hopper
+
+    assert cls.__module__ == "_forge_candidate.engine" and cls is not Hopper and cls.__name__ == "Engine"
+
+
+def test_seed_refuses_an_engine_importing_another_scenario(tmp_path, monkeypatch):
+    """A template that reaches into another scenario's package cannot be carried into a workspace."""
+    pkg = tmp_path / "scenarios" / "borrower"
+    pkg.mkdir(parents=True)
+    (pkg / "engine.py").write_text("from scenarios.llama1b_h200.engine import Engine\n")
+    monkeypatch.setattr(wsmod, "REPO_ROOT", tmp_path)
+    with pytest.raises(ConfigError, match="imports scenarios.llama1b_h200, another scenario's package"):
+        wsmod.shared_parts("borrower")
+
+
 def test_agent_command_placeholders(tmp_path):
     from forgetrain.forge.procs import format_agent_command
 
@@ -349,7 +397,7 @@ def test_crashing_candidate_and_syntax_error_do_not_stop_the_loop(tmp_path, data
     syntax error is caught by the guard without running the ladder."""
     agent = agent_for(tmp_path, {1: [{"op": "append", "path": "engine/engine.py",
                                       "text": "\nraise RuntimeError('boom from the candidate')\n"}],
-                                 2: [{"op": "append", "path": "engine/model.py", "text": "\ndef broken(:\n"}]})
+                                 2: [{"op": "append", "path": "engine/_llama/model.py", "text": "\ndef broken(:\n"}]})
     state = forge(micro_rc(), options(tmp_path, max_rounds=3), agent, gate_paths=fake_gates(tmp_path))
     log = log_of(tmp_path / "out")
     assert log[0]["ladder"] == "error" and "boom from the candidate" in log[0]["ladder_error"]

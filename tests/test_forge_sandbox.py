@@ -101,7 +101,7 @@ STATIC_ESCAPES = [
     ("escape_import_joined", 2, "rejected: forbidden import", "__import__() of a module name built at run time"),
     ("escape_exec_string", 2, "rejected: forbidden import", "exec() of code the guard never sees"),
     ("escape_bytecode_sourceless", 3, "rejected: unscanned code", "engine/_fast.pyc"),
-    ("escape_bytecode_cache", 3, "rejected: unscanned code", "engine/__pycache__/"),
+    ("escape_bytecode_cache", 3, "rejected: unscanned code", "engine/_llama/__pycache__/"),
 ]
 
 
@@ -169,11 +169,13 @@ class _TamperingLadder(StubLadder):
 def test_engine_changed_while_judged_is_rejected_class_3(tmp_path):
     ws = tmp_path / "out" / "workspace"
     state = forge(micro_rc(), options(tmp_path, max_rounds=1), agent_for(tmp_path, {1: ["engine_comment"]}),
-                  ladder_fn=_TamperingLadder(ws / "engine" / "model.py"), gate_paths=fake_gates(tmp_path))
+                  ladder_fn=_TamperingLadder(ws / "engine" / "_llama" / "model.py"), gate_paths=fake_gates(tmp_path))
     rec = log_of(tmp_path / "out")[0]
     assert rec["guard"] == "rejected: unscanned code" and _classes(rec) == {3}, rec
-    assert any("engine/model.py" in p and "changed while the engine was judged" in p for p in rec["guard_problems"])
-    assert state["status"] == "exhausted" and "written while" not in (ws / "engine" / "model.py").read_text()
+    assert any("engine/_llama/model.py" in p and "changed while the engine was judged" in p
+               for p in rec["guard_problems"])
+    assert state["status"] == "exhausted"
+    assert "written while" not in (ws / "engine" / "_llama" / "model.py").read_text()
 
 
 def test_gates_changed_while_the_ladder_ran_abort(tmp_path):

@@ -36,7 +36,7 @@ def reference_init():
 
 def _forged_init(engine: str, mode: str | None):
     cfg = _cfg8(mode)
-    eng = registry.load_engine_class("scenarios", engine)(cfg, torch.device("cpu"))
+    eng = registry.resolve_engine(registry.engine_spec(engine))(cfg, torch.device("cpu"))
     return {k: v.detach().float().clone() for k, v in eng.export_hf_weights().items()}
 
 

@@ -17,6 +17,7 @@ Exit 0 when the run finished, 3 when the candidate raised (the error and its tra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         from forgetrain.cli import _quiet_libraries
         from forgetrain.config import to_run_config
         from forgetrain.forge import runtime_guard
-        from forgetrain.forge.workspace import ENGINE_DIR, load_engine_class
+        from forgetrain.forge.workspace import ENGINE_DIR, load_engine_class, workspace_entry
         from forgetrain.trace import atomic_write_json
 
         _quiet_libraries()
@@ -67,11 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         from forgetrain.data.prepare import default_cache_dir
 
+        entry = workspace_entry(ws)  # scenario.yaml names the engine class; read before the guard is on
         policy = runtime_guard.build_policy(ws / ENGINE_DIR, out, init, Path(spec["golden_root"]), ws,
                                             Path(a.ladder_dir), rc.data.cache_dir or default_cache_dir(),
                                             Path(a.judge_cache) if a.judge_cache else None)
         finish = runtime_guard.install(policy, fd)
-        engine_cls = load_engine_class(ws / ENGINE_DIR)
+        engine_cls = load_engine_class(ws / ENGINE_DIR, entry=entry)
+        # the run's config names the engine it runs: the loaded candidate package, not the scenario's template
+        # (whose module this process must not execute)
+        rc = dataclasses.replace(rc, scenario=dataclasses.replace(
+            rc.scenario, engine=f"{runtime_guard.CANDIDATE_PACKAGE}.{entry}"))
         if a.time_steps:
             atomic_write_json(out / "times.json", bench.time_engine(rc, engine_cls, a.time_steps))
         else:

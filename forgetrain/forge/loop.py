@@ -190,7 +190,8 @@ class _Run:
         agent_spec = dict(self.spec, golden_root=str(self.ws / ".gate" / "golden"))
         tmp_spec = self.out / ".agent_spec.json"
         atomic_write_json(tmp_spec, agent_spec)
-        info = wsmod.seed(self.ws, self.scenario, self.opts.seed_from, self.opts.reference, tmp_spec)
+        info = wsmod.seed(self.ws, self.scenario, self.opts.seed_from, self.opts.reference, tmp_spec,
+                          engine=self.rc.scenario.engine)
         tmp_spec.unlink()
         self.state = {"version": STATE_VERSION, "scenario": self.scenario, "mode": self.opts.mode, "round": 0,
                       "status": "running", "seed": info, "end_commit": info["commit"], "last_ladder": None,

@@ -1,18 +1,25 @@
-"""The forge workspace: a git repo the harness owns, seeded from a scenario template; the agent edits ``engine/``.
+"""The forge workspace: a git repo the harness owns, seeded from a scenario's engine; the agent edits ``engine/``.
 
 Layout::
 
     workspace/
       BRIEF.md              this round's brief (harness-written; read-only for the agent)
-      engine/               the candidate engine: a copy of scenarios/<NAME>/ (the only path the agent may change)
+      scenario.yaml         the scenario, its ``scenario.engine`` naming the workspace engine (``engine.<mod>:<Class>``)
+      engine/               the candidate engine (the only path the agent may change): a copy of the package that
+                            holds the scenario's engine class, plus a copy of each shared part it imports
+                            (``scenarios/_llama`` -> ``engine/_llama/``)
       gates/                read-only copies: conf/tier/*.yaml, forgetrain/equivalence/*.py, ladder_spec.json
       references/<ref>/     read-only copy of the reference engine's source, to read (never to import)
       forge_state.json      the loop's state (git-ignored; written atomically by the harness)
       .gate/                scratch of the agent's own gate runs (git-ignored; the harness never reads it)
 
-Imports of ``scenarios.<NAME>.x`` in the template are rewritten to relative imports (``from .x import ...``) so
-the workspace engine is self-contained; the ladder loads ``engine/`` as a package under a private name
-(:func:`load_engine_class`). Relative imports keep working once the engine is installed back into scenarios/.
+The scenario's ``scenario.engine`` (``scenarios.<pkg>.<mod>:<Class>``) picks the template: ``scenarios/<pkg>/``.
+Its absolute imports of ``scenarios.<pkg>.x`` and of shared parts ``scenarios._<part>.x`` are rewritten to
+relative ones (``from .x import ...``, ``from ._llama.x import ...``) so the workspace engine is self-contained: a
+forged scenario owns its copy of every part it runs. An import of another scenario's package is refused (copy
+what it needs into a shared ``scenarios/_<part>`` package instead). The ladder loads ``engine/`` as a package
+under a private name (:func:`load_engine_class`); relative imports keep working once the engine is installed
+back into scenarios/.
 
 Git is used for snapshots: every round's end state is a commit under ``refs/forge/rounds/<k>`` (not on the
 branch); rounds that pass a tier are also committed onto the branch. :func:`changed_paths` and :func:`revert_to`
@@ -55,26 +62,49 @@ def git(ws: Path, *args: str, check: bool = True) -> str:
 
 # ---------------------------------------------------------------------------------------------------- seeding
 
-def rewrite_scenario_imports(src: str, scenario: str) -> str:
-    """``from scenarios.<scenario>.m import X`` -> ``from .m import X``; ``import scenarios.<scenario>.m as y`` ->
-    ``from . import m as y``. Line-based rewrite of the exact statements the AST finds (formatting kept)."""
-    prefix = f"scenarios.{scenario}"
+def _relative(target: tuple[str, ...], here: tuple[str, ...]) -> str:
+    """The relative module that names ``engine/<target...>`` from a module in the package ``engine/<here...>``."""
+    common = 0
+    while common < min(len(target), len(here)) and target[common] == here[common]:
+        common += 1
+    return "." * (1 + len(here) - common) + ".".join(target[common:])
+
+
+def rewrite_scenario_imports(src: str, scenario: str, shared: tuple[str, ...] = (),
+                             here: tuple[str, ...] = ()) -> str:
+    """Make a template file's scenario imports relative to the workspace engine.
+
+    ``scenario`` is the template package (``scenarios.<scenario>`` = ``engine/``), ``shared`` the shared parts
+    copied in (``scenarios.<s>`` = ``engine/<s>/``), ``here`` the file's own package inside ``engine/`` (``()``
+    at the top, ``("_llama",)`` for a shared part). At the top: ``from scenarios.<scenario>.m import X`` ->
+    ``from .m import X``; ``import scenarios.<scenario>.m as y`` -> ``from . import m as y``;
+    ``from scenarios._llama.m import X`` -> ``from ._llama.m import X``. Line-based rewrite of the exact
+    statements the AST finds (formatting kept). Raises ConfigError for an ``import scenarios.x.m`` without ``as``.
+    """
+    targets = {f"scenarios.{scenario}": (), **{f"scenarios.{s}": (s,) for s in shared}}
+
+    def split(module: str):
+        for prefix, path in targets.items():
+            if module == prefix or module.startswith(prefix + "."):
+                rest = module[len(prefix):].lstrip(".")
+                return prefix, path + tuple(rest.split(".") if rest else ())
+        return None
+
     lines = src.splitlines(keepends=True)
     edits: dict[int, tuple[int, int, str]] = {}
     for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
-                (node.module == prefix or node.module.startswith(prefix + ".")):
-            rest = node.module[len(prefix):].lstrip(".")
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and split(node.module):
+            _, path = split(node.module)
             seg = ast.get_source_segment(src, node)
-            new = seg.replace(f"from {node.module}", f"from .{rest}" if rest else "from .", 1)
+            new = seg.replace(f"from {node.module}", f"from {_relative(path, here)}", 1)
             edits[node.lineno] = (node.lineno, node.end_lineno, new)
-        elif isinstance(node, ast.Import) and any(a.name.startswith(prefix + ".") for a in node.names):
+        elif isinstance(node, ast.Import) and any(split(a.name) and split(a.name)[0] != a.name for a in node.names):
             if len(node.names) != 1 or not node.names[0].asname:
                 raise ConfigError(f"cannot rewrite '{ast.get_source_segment(src, node)}' to a relative import; "
-                                  f"use 'from {prefix}.x import y' in the scenario template")
+                                  f"use 'from scenarios.<package>.x import y' in the scenario template")
             a = node.names[0]
-            mod, _, last = a.name[len(prefix) + 1:].rpartition(".")
-            new = f"from .{mod} import {last} as {a.asname}"
+            path = split(a.name)[1]
+            new = f"from {_relative(path[:-1], here)} import {path[-1]} as {a.asname}"
             edits[node.lineno] = (node.lineno, node.end_lineno, new)
     for lineno in sorted(edits, reverse=True):
         start, end, new = edits[lineno]
@@ -99,20 +129,102 @@ def gate_sources(reference: str) -> dict[str, tuple[Path, list[Path]]]:
             f"references/{reference}": (ref, sorted(ref.glob("*.py")) + sorted(ref.glob("*.md")))}
 
 
-def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_spec: Path) -> dict:
-    """Create the workspace (a fresh git repo) from scenarios/<scenario>/ or a sealed engine. Returns seed info."""
-    template = REPO_ROOT / "scenarios" / scenario
-    if not (template / "engine.py").exists():
-        raise ConfigError(f"scenario template {template} has no engine.py")
+WORKSPACE_SCENARIO = "scenario.yaml"
+
+
+def engine_template(spec: str) -> tuple[str, str, str]:
+    """``scenario.engine`` = ``scenarios.<pkg>.<mod>:<Class>`` -> ``(pkg, mod, Class)`` (``mod`` dotted inside the
+    package). Raises ConfigError for an engine outside a ``scenarios/<pkg>/`` package (the forge copies that
+    package) or a malformed string."""
+    mod, _, cls = spec.partition(":")
+    parts = mod.split(".")
+    if len(parts) < 3 or parts[0] != "scenarios" or not cls or parts[1].startswith("_"):
+        raise ConfigError(f"scenario.engine='{spec}': the forge seeds from an engine class in a scenario package, "
+                          f"scenarios.<package>.<module>:<Class>")
+    return parts[1], ".".join(parts[2:]), cls
+
+
+def _scenario_imports(root: Path) -> set[str]:
+    """The second component of every absolute ``scenarios.<x>...`` import in the ``.py`` files under ``root``."""
+    found = set()
+    for f in root.rglob("*.py"):
+        if any(part in _SKIP for part in f.parts):
+            continue
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found.update(n.split(".")[1] for n in names if n.startswith("scenarios.") and n.count(".") >= 1)
+    return found
+
+
+def shared_parts(package: str) -> tuple[str, ...]:
+    """The shared packages (``scenarios/_<part>``) that ``scenarios/<package>`` imports, directly or through
+    another shared part, sorted. Raises ConfigError when it imports another scenario's package (a workspace can
+    carry its own package and shared parts only)."""
+    todo, seen = [REPO_ROOT / "scenarios" / package], set()
+    while todo:
+        for name in sorted(_scenario_imports(todo.pop())):
+            if name == package or name in seen:
+                continue
+            if not name.startswith("_"):
+                raise ConfigError(f"scenarios/{package} imports scenarios.{name}, another scenario's package; move "
+                                  f"what it shares into a scenarios/_<part> package so the forge can copy it")
+            if not (REPO_ROOT / "scenarios" / name).is_dir():
+                raise ConfigError(f"scenarios/{package} imports scenarios.{name}, which does not exist")
+            seen.add(name)
+            todo.append(REPO_ROOT / "scenarios" / name)
+    return tuple(sorted(seen))
+
+
+def workspace_entry(ws: Path) -> str:
+    """The workspace engine as ``<module inside engine/>:<Class>``, from ``scenario.yaml``'s ``scenario.engine``
+    (``engine.<module>:<Class>``); ``engine:Engine`` when the workspace has no scenario.yaml. Raises ConfigError."""
+    path = ws / WORKSPACE_SCENARIO
+    if not path.is_file():
+        return "engine:Engine"
+    from omegaconf import OmegaConf
+
+    spec = str(OmegaConf.select(OmegaConf.load(path), "scenario.engine") or "")
+    if not spec.startswith(ENGINE_DIR + ".") or ":" not in spec:
+        raise ConfigError(f"{path}: scenario.engine='{spec}' must name a class in {ENGINE_DIR}/ "
+                          f"({ENGINE_DIR}.<module>:<Class>)")
+    return spec[len(ENGINE_DIR) + 1:]
+
+
+def _write_scenario(ws: Path, scenario: str, module: str, cls: str) -> None:
+    """``scenario.yaml``: the scenario's own file with ``scenario.engine`` pointing at the workspace engine."""
+    from omegaconf import OmegaConf
+
+    src = REPO_ROOT / "conf" / "scenario" / f"{scenario}.yaml"
+    node = OmegaConf.load(src) if src.is_file() else OmegaConf.create({"scenario": {"name": scenario}})
+    OmegaConf.update(node, "scenario.engine", f"{ENGINE_DIR}.{module}:{cls}", force_add=True)
+    (ws / WORKSPACE_SCENARIO).write_text(f"# {scenario}, forged in this workspace: scenario.engine is the engine in "
+                                         f"{ENGINE_DIR}/ (read-only; written by the harness)\n"
+                                         + OmegaConf.to_yaml(node))
+
+
+def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_spec: Path,
+         engine: str | None = None) -> dict:
+    """Create the workspace (a fresh git repo) from the scenario's engine package (and the shared parts it
+    imports) or a sealed engine. ``engine``: the ``scenario.engine`` to forge (default: the one
+    ``conf/scenario/<scenario>.yaml`` names). Returns seed info. Raises ConfigError."""
+    from forgetrain.registry import engine_spec
+
+    package, module, cls = engine_template(engine or engine_spec(scenario))
+    template = REPO_ROOT / "scenarios" / package
+    entry = Path(*module.split(".")).with_suffix(".py")
+    if not (template / entry).exists():
+        raise ConfigError(f"scenario template {template} has no {entry}")
     if ws.exists():
         shutil.rmtree(ws)
     eng = ws / ENGINE_DIR
     info = {"template": str(template)}
+    shared: tuple[str, ...] = ()
     if seed_from:
         sealed = Path(seed_from).expanduser().resolve()
         src = sealed / ENGINE_DIR if (sealed / ENGINE_DIR).is_dir() else sealed
-        if not (src / "engine.py").exists():
-            raise ConfigError(f"forge.seed_from={seed_from}: no engine.py in {src} (expected a seal dir with engine/)")
+        if not (src / entry).exists():
+            raise ConfigError(f"forge.seed_from={seed_from}: no {entry} in {src} (expected a seal dir with engine/)")
         seal = sealed / "seal.json"
         if seal.exists():
             import json
@@ -126,12 +238,17 @@ def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_
         _copy_tree(src, eng)
         info["seed_from"] = str(src)
     else:
+        shared = shared_parts(package)
         _copy_tree(template, eng)
+        for part in shared:
+            _copy_tree(REPO_ROOT / "scenarios" / part, eng / part)
+        info["shared"] = list(shared)
     for f in eng.rglob("*.py"):
         src_text = f.read_text()
-        new = rewrite_scenario_imports(src_text, scenario)
+        new = rewrite_scenario_imports(src_text, package, shared, f.parent.relative_to(eng).parts)
         if new != src_text:
             f.write_text(new)
+    _write_scenario(ws, scenario, module, cls)
     for sub, (root, files) in gate_sources(reference).items():
         for f in files:
             dst = ws / sub / f.relative_to(root)
@@ -306,21 +423,24 @@ class _SourceOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(compile(src, str(path), "exec", dont_inherit=True), module.__dict__)
 
 
-def load_engine_class(engine_dir: str | Path, package: str = _PKG):
-    """Import ``engine_dir/engine.py`` as ``<package>.engine`` (``engine_dir`` becomes the package, so relative
-    imports resolve inside it) and return its ``Engine`` class. Modules are compiled from their ``.py`` source
-    only (:class:`_SourceOnly`). Raises ImportError / AttributeError."""
+def load_engine_class(engine_dir: str | Path, package: str = _PKG, entry: str = "engine:Engine"):
+    """Import ``engine_dir/<module>.py`` as ``<package>.<module>`` (``engine_dir`` becomes the package, so relative
+    imports resolve inside it) and return its class; ``entry`` = ``<module>:<Class>`` (a workspace's is
+    :func:`workspace_entry`). Modules are compiled from their ``.py`` source only (:class:`_SourceOnly`). Raises
+    ImportError / AttributeError."""
     engine_dir = Path(engine_dir).resolve()
+    module, _, cls = entry.partition(":")
     for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
         del sys.modules[name]
     sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _SourceOnly) and f.package == package)]
     sys.meta_path.insert(0, _SourceOnly(package, engine_dir))
-    if not (engine_dir / "engine.py").is_file():
-        raise ImportError(f"no engine.py in {engine_dir}")
-    mod = importlib.import_module(f"{package}.engine")
-    if not hasattr(mod, "Engine"):
-        raise AttributeError(f"{engine_dir / 'engine.py'} defines no Engine class")
-    return mod.Engine
+    path = engine_dir.joinpath(*module.split(".")).with_suffix(".py")
+    if not path.is_file():
+        raise ImportError(f"no {path.relative_to(engine_dir)} in {engine_dir}")
+    mod = importlib.import_module(f"{package}.{module}")
+    if not hasattr(mod, cls):
+        raise AttributeError(f"{path} defines no {cls} class")
+    return getattr(mod, cls)
 
 
 def python() -> str:

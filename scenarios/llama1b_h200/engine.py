@@ -1,13 +1,18 @@
-"""Forged engine for Llama on Hopper (``llama1b_h200``; ``llama8b_h100`` subclasses it).
+"""Forged engine for Llama on Hopper: the scenarios ``llama1b_h200``, ``llama3b_h200`` and ``llama8b_h100`` all
+name it (``scenario.engine: scenarios.llama1b_h200.engine:Engine``); only the model shape differs.
+
+It composes the shared Llama parts of ``scenarios/_llama`` (the exact model, ``ParallelState`` and the flat grad
+buffer, the optimizer arithmetic, the weight layouts) with its own fast model (``fast.py``) and gradient
+accumulation fusion (``wgrad.py``); it inherits from no other engine.
 
 Precision (``train.precision=bf16``): bf16 model weights, fp32 main weights, fp32 gradient accumulation buffers
 (``main_grad``), fp32 AdamW state -- Megatron's mixed-precision recipe. ``fp32`` keeps everything in fp32.
 
 Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier is listed in ``optimisations.yaml``):
 
-* ``exact`` -- the op-by-op Megatron mirror (the model of ``scenarios/llama_tiny_cpu``, whose alignment notes
-  apply), torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and
-  clipping arithmetic. Target: **bitwise** vs the Megatron-core reference in deterministic mode.
+* ``exact`` -- the op-by-op Megatron mirror (``scenarios/_llama/model.py``, whose alignment notes apply),
+  torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and clipping
+  arithmetic. Target: **bitwise** vs the Megatron-core reference in deterministic mode.
 * ``fast`` -- ``fast.FastLlama``: batch-first, SDPA attention, chunked LM-head cross-entropy, optional
   ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
   Target: **loss-curve**, then **surpass**. ``engine.grad_accum_fusion=true`` (fast mode only) sends the weight
@@ -15,7 +20,7 @@ Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier i
 
 Data parallelism (``parallel.data_parallel_size > 1``, under torchrun): the fp32 ``main_grad`` tensors are views
 of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration order, one
-bucket: ``scenarios/llama_tiny_cpu/parallel.GradBuffer``); after the last micro-batch the buffer is scaled by 1/DP
+bucket: ``scenarios/_llama/parallel.GradBuffer``); after the last micro-batch the buffer is scaled by 1/DP
 and all-reduced (SUM), Megatron's ``grad_reduce_in_fp32`` DDP arithmetic. ``parallel.zero_stage=1`` is Megatron's
 distributed optimizer: the buffer is reduce-scattered instead, the grad norm is the sum of the shards' squared
 norms, AdamW state exists only for this rank's shard, and the updated fp32 main weights are all-gathered before
@@ -30,30 +35,35 @@ import torch.distributed as dist
 from forgetrain.engine import StepResult
 from forgetrain.errors import ConfigError
 from forgetrain.schedule import lr_for_step
+from scenarios._llama import layout, optim
+from scenarios._llama.model import Llama
+from scenarios._llama.parallel import GradBuffer, ParallelState, megatron_registration_order
 from scenarios.llama1b_h200.wgrad import WGradAccum, probe_path
-from scenarios.llama_tiny_cpu.engine import Engine as _ExactCPUEngine
-from scenarios.llama_tiny_cpu.model import TP1, Llama
 
 
-class Engine(_ExactCPUEngine):
-    """``Engine(cfg: RunConfig, device)``; protocol in forgetrain.engine.TrainEngine."""
+class Engine:
+    """``Engine(cfg: RunConfig, device)``; protocol in forgetrain.engine.TrainEngine.
 
-    name = "llama1b_h200"
+    Parts: ``model`` (``fast.FastLlama`` or the exact ``_llama.model.Llama``), ``par``
+    (:class:`~scenarios._llama.parallel.ParallelState`), ``ddp`` (the flat fp32 grad buffer under DP / ZeRO-1,
+    else None), ``main`` / ``main_grad`` (fp32 main weights and gradients by forged name) and ``adam_state``.
+    Raises ConfigError for TP > 1 or ZeRO stages other than 0 and 1.
+    """
 
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)
-        self.mcfg, self.tcfg = cfg.model, cfg.train
+        self.mcfg, self.tcfg, self.pcfg = cfg.model, cfg.train, cfg.parallel
         self.opts, self.kernels = cfg.engine, cfg.kernels
         self.bf16 = self.tcfg.precision == "bf16"
         self.fast = self.opts.mode == "fast"
-        # DP and ZeRO-1 only: the TP / FSDP paths of the CPU base class stay switched off.
-        self.pcfg, self.tp, self._dp_group, self.fsdp, self.ddp = cfg.parallel, TP1, None, False, None
-        self.dp_size, self.zero_stage = self.pcfg.data_parallel_size, self.pcfg.zero_stage
-        self.tp_size = self.pcfg.tensor_parallel_size
-        if self.tp_size != 1 or self.zero_stage not in (0, 1):
-            raise ConfigError(f"{self.name}: only data parallelism (parallel.zero_stage 0 or 1, TP=1) is "
-                              f"implemented; got TP={self.tp_size} zero_stage={self.zero_stage} (llama_tiny_cpu has "
-                              f"TP and FSDP2)")
+        tp_size, zero_stage = self.pcfg.tensor_parallel_size, self.pcfg.zero_stage
+        if tp_size != 1 or zero_stage not in (0, 1):
+            raise ConfigError(f"{cfg.scenario.name}: the Hopper engine implements only data parallelism "
+                              f"(parallel.zero_stage 0 or 1, TP=1); got TP={tp_size} zero_stage={zero_stage} "
+                              f"(llama_tiny_cpu has TP and FSDP2)")
+        self.par = ParallelState.build(self.pcfg)
+        self.dp_size, self.zero_stage = self.par.dp_size, self.par.zero_stage
+        self.ddp: GradBuffer | None = None
         with torch.device(self.device):
             if self.fast:
                 from scenarios.llama1b_h200.fast import FastLlama
@@ -91,8 +101,7 @@ class Engine(_ExactCPUEngine):
             self._setup_dp_buffer()  # also shards the AdamW state under ZeRO-1
         else:
             self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
-            self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
-                               for k, v in self.main.items()}
+            self.adam_state = optim.fresh_state(self.main)
         if self.fusion:  # under DP these are views of the flat buffer: the GEMMs write into it directly
             self._fused = self.model.attach_main_grad(self.main_grad)
 
@@ -104,41 +113,53 @@ class Engine(_ExactCPUEngine):
     def _setup_dp_buffer(self) -> None:
         """DP > 1: ``main_grad[k]`` become views of one flat fp32 buffer in Megatron DDP's layout (reverse
         registration order, one bucket), reduced by ``GradBuffer.finish_grad_sync`` after the last micro-batch."""
-        from scenarios.llama_tiny_cpu.parallel import GradBuffer, build_groups, megatron_registration_order
-
-        _, _, self._dp_group = build_groups(self.dp_size, 1)
         order = megatron_registration_order(self.mcfg.num_layers)
         if sorted(order) != sorted(self.main):  # fast mode's own parameter names: its registration order
             order = list(self.main)
         # fp32: the buffer holds the model's own Parameters (ZeRO-1 re-points their .data into its flat fp32 param
         # buffer, so the all-gather writes the model weights); bf16: the fp32 main weights.
         params = self.main if self.bf16 else self._named()
-        self.ddp = GradBuffer(params, order, group=self._dp_group, zero1=self.zero_stage == 1, bucket_size=None,
+        self.ddp = GradBuffer(params, order, group=self.par.dp_group, zero1=self.zero_stage == 1, bucket_size=None,
                               overlap=False)
         if not self.bf16:
             self.main = {k: p.data for k, p in params.items()}
         self.main_grad = {k: self.ddp.view(self.ddp.grad_data, k) for k in self.main}
         if self.zero_stage == 1:
-            self._shard_adam_state()
+            self._m_shard, self._v_shard, self.adam_state = optim.shard_state(self.ddp, self.device,
+                                                                              self.completed_steps)
         else:
-            self.adam_state = {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
-                               for k, v in self.main.items()}
+            self.adam_state = optim.fresh_state(self.main)
 
     def _sync_model_from_main(self) -> None:
         if self.bf16:
             named = self._named()
             torch._foreach_copy_([named[k].data for k in self.main], list(self.main.values()))
 
+    def _named(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def _check(self, mb: torch.Tensor) -> torch.Tensor:
+        return layout.check_micro_batch(mb, self.mcfg.seq_length, self.device)
+
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Load HF-layout fp32 weights into the fp32 main weights (and the bf16 copies). Raises ValueError."""
-        for k, v in self._from_hf(state).items():
+        """Load HF-layout fp32 weights into the fp32 main weights (and the bf16 copies). Raises KeyError /
+        ValueError."""
+        for k, v in layout.from_hf(self.mcfg, state).items():
             if self.main[k].shape != v.shape:
                 raise ValueError(f"shape mismatch for {k}: {tuple(v.shape)} vs {tuple(self.main[k].shape)}")
             self.main[k].copy_(v.to(self.device))
         self._sync_model_from_main()
 
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        return self._to_hf(self.main)
+        """The fp32 main weights in HF layout (CPU copies)."""
+        return layout.to_hf(self.mcfg, self.main)
+
+    def export_hf_grads(self) -> dict[str, torch.Tensor]:
+        """The last step's reduced fp32 main grads, pre-clip, in HF layout (recorded when ``train.digests``).
+        Raises RuntimeError before any step."""
+        if self._last_grads is None:
+            raise RuntimeError("no step has run yet")
+        return layout.to_hf(self.mcfg, self._last_grads)
 
     # ------------------------------------------------------------------ step
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
@@ -177,7 +198,7 @@ class Engine(_ExactCPUEngine):
             per_token.append(tok.detach())
         if self.ddp is not None:
             self.ddp.finish_grad_sync()  # x 1/DP, all-reduce SUM over the flat fp32 buffer
-        order = self._norm_order()
+        order = layout.norm_order(self.mcfg.num_layers)
         if self.tcfg.digests:  # under ZeRO-1 the whole local buffer, as the reference's main_grad snapshot
             self._last_grads = {k: self.main_grad[k].clone() for k in order}
         lr = lr_for_step(self.tcfg, self.completed_steps)
@@ -190,7 +211,7 @@ class Engine(_ExactCPUEngine):
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
         if self.pcfg.report_loss == "dp_mean" and self.dp_size > 1:
             loss_mean = loss_mean.detach().float().reshape(1).clone()
-            dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM, group=self._dp_group)
+            dist.all_reduce(loss_mean, op=dist.ReduceOp.SUM, group=self.par.dp_group)
             loss_mean = loss_mean[0] / self.dp_size
         return StepResult(loss=float(loss_mean), grad_norm=grad_norm, lr=lr,
                           per_token_loss=torch.stack(per_token).float())
@@ -204,24 +225,13 @@ class Engine(_ExactCPUEngine):
     def zero1(self) -> bool:
         return self.ddp is not None and self.ddp.zero1
 
-    def _clip_coeff(self, grad_norm: float) -> float | None:
-        """Megatron's clip_grad_by_total_norm_fp32 coefficient, or None when no clipping applies."""
-        if self.tcfg.clip_grad > 0:
-            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                return coeff
-        return None
-
     def _zero1_update(self, lr: float) -> float:
         """ZeRO-1 after the reduce-scatter: the norm of the shards, clip and AdamW on this rank's pieces of the fp32
         main weights (``ddp.param_data``), then the all-gather of the updated main weights."""
         d = self.ddp
         grad_norm = d.grad_norm_sq_shards().item() ** 0.5
         pieces = [(pc, d.grad_data[pc.buf_start:pc.buf_end]) for pc in d.pieces]
-        coeff = self._clip_coeff(grad_norm)
-        if coeff is not None:
-            for _, g in pieces:
-                g.copy_(g * coeff)
+        optim.clip_([g for _, g in pieces], grad_norm, self.tcfg.clip_grad)
         groups = []
         for decay in (True, False):  # the distributed optimizer's groups: 2-D (wd) pieces, then 1-D norm pieces
             sel = [(pc, g) for pc, g in pieces if (pc.group == 0) == decay]
@@ -236,16 +246,11 @@ class Engine(_ExactCPUEngine):
         if self.fast:
             grad_norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
         else:  # Megatron: norm of per-tensor norms (host), squared on device, .item() ** 0.5
-            l2 = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads], dtype=torch.float32))
-            total_sq = torch.tensor([float(l2)], dtype=torch.float32, device=self.device) ** 2.0
-            grad_norm = total_sq.item() ** 0.5
-        coeff = self._clip_coeff(grad_norm)
-        if coeff is not None:
-            if self.fast:
-                torch._foreach_mul_(grads, coeff)
-            else:
-                for g in grads:
-                    g.copy_(g * coeff)
+            grad_norm = optim.grad_norm(grads, device=self.device)
+        if not self.fast:
+            optim.clip_(grads, grad_norm, self.tcfg.clip_grad)
+        elif (coeff := optim.clip_coeff(self.tcfg.clip_grad, grad_norm)) is not None:
+            torch._foreach_mul_(grads, coeff)
         groups = []
         for decay in (True, False):  # Megatron's two param groups: 2-D weights (wd) and 1-D norms (no wd)
             ks = [k for k in self.main if (self.main[k].dim() > 1) == decay]
@@ -254,87 +259,16 @@ class Engine(_ExactCPUEngine):
         self._adamw_groups(groups, lr)
         return grad_norm
 
-    @torch.no_grad()
     def _onepass_update(self, order: list[str], lr: float) -> float:
-        """``engine.onepass_optimizer``: the fast path's grad norm (per-tensor norms, then their norm) kept on the
-        device; Megatron's clip coefficient ``clip / (norm + 1e-6)`` formed there in fp64 from the fp32 norm, as the
-        host computes it from ``float(norm)``, capped at 1 and rounded to fp32; then one Triton AdamW launch per
-        parameter group that scales each gradient by it, updates the fp32 main weights and moments and writes the
-        bf16 model weights. The same arithmetic as clip pass + ``kernels.adamw=triton`` + the bf16 copy, in one
-        pass over the parameters and with the host sync after the update instead of before it."""
-        from forgetrain.kernels import adamw_step
-
-        t = self.tcfg
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([self.main_grad[k] for k in order])))
-        scale = None
-        if t.clip_grad > 0:
-            scale = (t.clip_grad / (norm.double() + 1.0e-6)).clamp(max=1.0).float().reshape(1)
-        named = self._named()
-        for k in self.main:
-            self.adam_state[k]["step"] += 1.0
-        step = self.adam_state[order[0]]["step"] if order else float(self.completed_steps + 1)
-        for decay in (True, False):  # Megatron's two param groups: 2-D weights (wd) and 1-D norms (no wd)
-            ks = [k for k in self.main if (self.main[k].dim() > 1) == decay]
-            if not ks:
-                continue
-            sts = [self.adam_state[k] for k in ks]
-            adamw_step([named[k].data for k in ks], [self.main_grad[k] for k in ks], [s["exp_avg"] for s in sts],
-                       [s["exp_avg_sq"] for s in sts], [self.main[k] for k in ks] if self.bf16 else None,
-                       step=step, lr=lr, beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
-                       wd=t.weight_decay if decay else 0.0, grad_scale=scale)
-        return float(norm)
+        """``engine.onepass_optimizer``: :func:`scenarios._llama.optim.onepass_update` (it writes the bf16 weights)."""
+        return optim.onepass_update(self.main, self.main_grad, self._named(), self.adam_state, order, lr, self.tcfg,
+                                    self.bf16, self.completed_steps + 1)
 
     @torch.no_grad()
     def _adamw_groups(self, groups, lr: float) -> None:
-        """torch AdamW over ``groups`` = [(decayed, params, grads, states)], each state a dict with ``step``,
-        ``exp_avg``, ``exp_avg_sq`` (tensors elementwise-aligned with the params: whole tensors or ZeRO-1 pieces).
-        Arithmetic: torch's foreach path on CUDA, its single-tensor path on CPU (each framework's default there),
-        or the fused / Triton kernels chosen by ``kernels.adamw``."""
-        t = self.tcfg
-        b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
-        states = [st for _, _, _, sts in groups for st in sts]
-        for st in states:
-            st["step"] += 1.0
-        step = states[0]["step"] if states else float(self.completed_steps + 1)
-        for decay, p, g, sts in groups:
-            if not p:
-                continue
-            m = [st["exp_avg"] for st in sts]
-            v = [st["exp_avg_sq"] for st in sts]
-            wd = t.weight_decay if decay else 0.0
-            if self.kernels.adamw == "fused" and self.device.type == "cuda":
-                steps = [torch.tensor(step, device=self.device) for _ in p]
-                torch._fused_adamw_(p, g, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
-                                    amsgrad=False, maximize=False)
-                continue
-            if self.kernels.adamw == "triton":
-                from forgetrain.kernels import adamw_step
-
-                adamw_step(p, g, m, v, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, wd=wd)
-                continue
-            if self.device.type != "cuda":  # torch's single-tensor path (its CPU default)
-                for pi, gi, mi, vi in zip(p, g, m, v):
-                    if wd != 0:
-                        pi.mul_(1 - lr * wd)
-                    mi.lerp_(gi, 1 - b1)
-                    vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
-                    denom = (vi.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps)
-                    pi.addcdiv_(mi, denom, value=-(lr / (1 - b1 ** step)))
-                continue
-            # torch's foreach path (its CUDA default), same op sequence
-            if wd != 0:
-                torch._foreach_mul_(p, 1 - lr * wd)
-            torch._foreach_lerp_(m, g, 1 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, g, g, 1 - b2)
-            bc1 = [1 - b1 ** step for _ in p]
-            bc2 = [1 - b2 ** step for _ in p]
-            step_size = [(lr / bc) * -1 for bc in bc1]
-            bc2_sqrt = [bc ** 0.5 for bc in bc2]
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(p, m, denom, step_size)
+        """AdamW over ``[(decayed, params, grads, states)]`` with the ``kernels.adamw`` arithmetic
+        (:func:`scenarios._llama.optim.adamw_groups`)."""
+        optim.adamw_groups(groups, lr, self.tcfg, self.kernels.adamw, self.device, self.completed_steps + 1)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
@@ -360,14 +294,9 @@ class Engine(_ExactCPUEngine):
         "completed_steps"}``, full tensors for every DP size and ZeRO stage (so DCP loads it into another layout).
         Under ZeRO-1 the moment shards are all-gathered first: a collective, every rank must call it."""
         if self.zero1:
-            d = self.ddp
-            m_full, v_full = d.gather_flat(self._m_shard), d.gather_flat(self._v_shard)
-            step = torch.tensor(float(self.completed_steps), dtype=torch.float64)
-            opt = {k: {"step": step.clone(), "exp_avg": d.view(m_full, k).clone(),
-                       "exp_avg_sq": d.view(v_full, k).clone()} for k in self.main}
+            opt = optim.gather_zero1_state(self.ddp, self._m_shard, self._v_shard, self.main, self.completed_steps)
         else:
-            opt = {k: {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
-                       "exp_avg_sq": st["exp_avg_sq"]} for k, st in self.adam_state.items()}
+            opt = optim.state_to_dict(self.adam_state)
         return {"main": dict(self.main), "optimizer": opt,
                 "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
 
@@ -377,11 +306,7 @@ class Engine(_ExactCPUEngine):
             for k, v in state["main"].items():
                 self.main[k].copy_(v)
             if self.zero1:
-                for pc in self.ddp.pieces:
-                    st, src = self.adam_state[pc.name], state["optimizer"][pc.name]
-                    st["step"] = float(src["step"])
-                    st["exp_avg"].copy_(src["exp_avg"].reshape(-1)[pc.start:pc.end])
-                    st["exp_avg_sq"].copy_(src["exp_avg_sq"].reshape(-1)[pc.start:pc.end])
+                optim.load_zero1_state(self.ddp, self.adam_state, state["optimizer"])
             else:
                 for k, st in state["optimizer"].items():
                     self.adam_state[k]["step"] = float(st["step"])
@@ -391,4 +316,5 @@ class Engine(_ExactCPUEngine):
         self._sync_model_from_main()
 
     def module_probes(self) -> dict[str, torch.nn.Module]:
-        return {} if self.fast else super().module_probes()
+        """The exact model's modules by Megatron name; none in fast mode (its blocks fuse them)."""
+        return {} if self.fast else layout.module_probes(self.model)

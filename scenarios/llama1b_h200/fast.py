@@ -1,6 +1,6 @@
 """The fast path of the Hopper Llama engines: batch-first, SDPA attention, chunked LM head + cross-entropy.
 
-Parameters have exactly the shapes of the exact model (``scenarios/llama_tiny_cpu/model.py``): fused grouped QKV
+Parameters have exactly the shapes of the exact model (``scenarios/_llama/model.py``): fused grouped QKV
 ``[nkv*(nq/nkv+2)*d, h]``, fused ``[gate; up]``, so weight exchange and the grad-norm order are shared. Each
 departure from the exact path changes reduction order, so this model targets the loss-curve tier:
 
@@ -61,7 +61,7 @@ class FastBlock(nn.Module):
 
     def __init__(self, cfg, kernels):
         super().__init__()
-        from scenarios.llama_tiny_cpu.model import RMSNorm
+        from scenarios._llama.model import RMSNorm
 
         self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
@@ -197,7 +197,7 @@ class FastLlama(nn.Module):
 
     def __init__(self, cfg, kernels, engine_opts):
         super().__init__()
-        from scenarios.llama_tiny_cpu.model import Embedding, OutputLayer, RMSNorm
+        from scenarios._llama.model import Embedding, OutputLayer, RMSNorm
 
         self.cfg, self.kernels, self.opts = cfg, kernels, engine_opts
         self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=False)
@@ -212,7 +212,7 @@ class FastLlama(nn.Module):
             self._blocks = [torch.compile(b) for b in self.layers]
 
     def reset_parameters(self, generator):
-        from scenarios.llama_tiny_cpu.model import megatron_init
+        from scenarios._llama.model import megatron_init
 
         megatron_init(self, self.cfg, generator)
 

@@ -1,6 +1,10 @@
 """The forged training engine of ``llama_tiny_cpu``: one optimizer step, end to end, in plain PyTorch.
 
-Step arithmetic (each line mirrors megatron-core 0.16.1 + torch AdamW, see README.md "Alignment"):
+It composes the shared Llama parts (``scenarios/_llama``: the model, the grad buffer and ``ParallelState``, the
+optimizer arithmetic, the weight layouts); what is its own is the CPU step: fp32 (or autocast bf16) grads in
+``param.grad``, TP and FSDP2, and the checkpoint layouts of every parallel form.
+
+Step arithmetic (each line mirrors megatron-core 0.16.1 + torch AdamW, see scenarios/_llama/README.md):
 
 1. for each of the G micro-batches: per-token loss ``[b, s]`` -> mean -> ``/ G`` -> backward; gradients
    accumulate in fp32 in ``param.grad`` (micro-batch order).
@@ -15,7 +19,7 @@ Step arithmetic (each line mirrors megatron-core 0.16.1 + torch AdamW, see READM
 bf16 (``train.precision=bf16``) runs the forward/backward under ``torch.autocast(bfloat16)`` with fp32 weights,
 grads and optimizer state; it targets the tolerance tier.
 
-Data parallelism (``parallel.data_parallel_size`` = DP > 1, launched with torchrun; see ``parallel.py``):
+Data parallelism (``parallel.data_parallel_size`` = DP > 1, launched with torchrun; see ``_llama/parallel.py``):
 
 6. grads accumulate into one flat fp32 buffer in Megatron's layout; after the last micro-batch's backward each
    bucket is scaled by ``1/DP`` and all-reduced with SUM (Megatron DDP, ``finalize_model_grads``). Steps 2-5 then
@@ -26,7 +30,7 @@ Data parallelism (``parallel.data_parallel_size`` = DP > 1, launched with torchr
    optimizer's order (all-reduced), clips and updates only those pieces (AdamW state is sharded), then
    all-gathers the params.
 
-8. ``parallel.tensor_parallel_size=2`` (TP, Megatron's layout, see model.py): the grad norm counts the
+8. ``parallel.tensor_parallel_size=2`` (TP, Megatron's layout, see ``_llama/model.py``): the grad norm counts the
    replicated norm weights on TP rank 0 only and all-reduces the squares over TP.
 9. ``parallel.zero_stage=3``: torch FSDP2 over the DP ranks (tolerance tier; see ``_setup_fsdp``).
 
@@ -44,9 +48,10 @@ import torch.distributed as dist
 
 from forgetrain.engine import StepResult
 from forgetrain.schedule import lr_for_step
-from scenarios.llama_tiny_cpu.model import TP1, Llama, TPGroup
-from scenarios.llama_tiny_cpu.parallel import (GradBuffer, build_groups, megatron_registration_order, tp_all_gather,
-                                               tp_merge, tp_split)
+from scenarios._llama import layout, optim
+from scenarios._llama.model import Llama
+from scenarios._llama.parallel import (GradBuffer, ParallelState, megatron_registration_order, tp_all_gather,
+                                       tp_merge, tp_split)
 
 
 def _is_dtensor(t) -> bool:
@@ -58,19 +63,14 @@ def _is_dtensor(t) -> bool:
 class Engine:
     """Forged engine. ``Engine(cfg: RunConfig, device)``; see forgetrain.engine.TrainEngine for the protocol."""
 
-    name = "llama_tiny_cpu"
-
     def __init__(self, cfg, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.device = torch.device(device)
         self.mcfg, self.tcfg = cfg.model, cfg.train
         self.pcfg = cfg.parallel
-        self.dp_size, self.zero_stage = self.pcfg.data_parallel_size, self.pcfg.zero_stage
-        self.tp_size = self.pcfg.tensor_parallel_size
-        self.tp, self._dp_group = TP1, None
-        if self.dp_size * self.tp_size > 1:
-            tp_group, tp_rank, self._dp_group = build_groups(self.dp_size, self.tp_size)
-            self.tp = TPGroup(self.tp_size, tp_rank, tp_group) if self.tp_size > 1 else TP1
+        self.par = ParallelState.build(self.pcfg)
+        self.dp_size, self.zero_stage, self.tp = self.par.dp_size, self.par.zero_stage, self.par.tp
+        self.tp_size, self._dp_group = self.tp.size, self.par.dp_group
         self.model = Llama(self.mcfg, deterministic=self.tcfg.deterministic, tp=self.tp).to(self.device)
         self.completed_steps = 0
         self.adam_state: dict[str, dict] = {}
@@ -100,8 +100,7 @@ class Engine:
         for blk in self.model.layers:
             fully_shard(blk, mesh=self._mesh)
         fully_shard(self.model, mesh=self._mesh)
-        self.adam_state = {n: {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                           for n, p in self._named().items()}
+        self.adam_state = optim.fresh_state(self._named())
 
     def _setup_data_parallel(self) -> None:
         """Build the flat grad buffer for DP > 1 or ZeRO-1 (DP=1 ZeRO-0 keeps autograd's own ``.grad``)."""
@@ -122,32 +121,15 @@ class Engine:
     def _shard_adam_state(self) -> None:
         """ZeRO-1: AdamW moments live in two flat fp32 buffers of this rank's shard size; ``adam_state`` maps
         each owned piece's parameter name to views of them."""
-        d = self.ddp
-        n = d.shard_numel()
-        self._m_shard = torch.zeros(n, dtype=torch.float32, device=self.device)
-        self._v_shard = torch.zeros(n, dtype=torch.float32, device=self.device)
-        self.adam_state = {}
-        for pc in d.pieces:
-            o = d.shard_offset(pc.buf_start)
-            k = pc.buf_end - pc.buf_start
-            self.adam_state[pc.name] = {"step": float(self.completed_steps), "exp_avg": self._m_shard[o:o + k],
-                                        "exp_avg_sq": self._v_shard[o:o + k]}
+        self._m_shard, self._v_shard, self.adam_state = optim.shard_state(self.ddp, self.device, self.completed_steps)
 
     # ---------------------------------------------------------------- parameters
     def _named(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())
 
     def _norm_order(self) -> list[str]:
-        """Megatron's grad-norm order: 2-D weights in module order (proj before qkv), then 1-D norm weights."""
-        two_d = ["embedding.weight"]
-        one_d = []
-        for i in range(self.mcfg.num_layers):
-            p = f"layers.{i}."
-            two_d += [p + "attn.proj", p + "attn.qkv", p + "mlp.fc1", p + "mlp.fc2"]
-            one_d += [p + "input_norm.weight", p + "pre_mlp_norm.weight"]
-        two_d.append("output_layer.weight")
-        one_d.append("final_norm.weight")
-        return two_d + one_d
+        """Megatron's grad-norm order (:func:`scenarios._llama.layout.norm_order`)."""
+        return layout.norm_order(self.mcfg.num_layers)
 
     def init_weights(self) -> None:
         """Deterministic N(0, init_method_std) init from ``train.seed``; resets the optimizer. Under TP every
@@ -166,49 +148,14 @@ class Engine:
             self.ddp.rebind_params()
             self._shard_adam_state()
             return
-        self.adam_state = {n: {"step": 0.0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                           for n, p in self._named().items()}
+        self.adam_state = optim.fresh_state(self._named())
 
     # ---------------------------------------------------------------- HF layout exchange
     def _to_hf(self, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        m = self.mcfg
-        qpg, d, f = m.num_attention_heads // m.num_query_groups, m.head_dim, m.ffn_hidden_size
-        out = {"model.embed_tokens.weight": t["embedding.weight"]}
-        for i in range(m.num_layers):
-            p, hp = f"layers.{i}.", f"model.layers.{i}."
-            qkv = t[p + "attn.qkv"].view(m.num_query_groups, qpg + 2, d, m.hidden_size)
-            out[hp + "self_attn.q_proj.weight"] = qkv[:, :qpg].reshape(-1, m.hidden_size)
-            out[hp + "self_attn.k_proj.weight"] = qkv[:, qpg].reshape(-1, m.hidden_size)
-            out[hp + "self_attn.v_proj.weight"] = qkv[:, qpg + 1].reshape(-1, m.hidden_size)
-            out[hp + "self_attn.o_proj.weight"] = t[p + "attn.proj"]
-            out[hp + "mlp.gate_proj.weight"] = t[p + "mlp.fc1"][:f]
-            out[hp + "mlp.up_proj.weight"] = t[p + "mlp.fc1"][f:]
-            out[hp + "mlp.down_proj.weight"] = t[p + "mlp.fc2"]
-            out[hp + "input_layernorm.weight"] = t[p + "input_norm.weight"]
-            out[hp + "post_attention_layernorm.weight"] = t[p + "pre_mlp_norm.weight"]
-        out["model.norm.weight"] = t["final_norm.weight"]
-        out["lm_head.weight"] = t["output_layer.weight"]
-        # copies, always: a caller keeps what it was given while the live weights change at the next step
-        return {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous() for k, v in out.items()}
+        return layout.to_hf(self.mcfg, t)
 
     def _from_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        m = self.mcfg
-        qpg, d = m.num_attention_heads // m.num_query_groups, m.head_dim
-        out = {"embedding.weight": sd["model.embed_tokens.weight"]}
-        for i in range(m.num_layers):
-            p, hp = f"layers.{i}.", f"model.layers.{i}."
-            q = sd[hp + "self_attn.q_proj.weight"].view(m.num_query_groups, qpg, d, m.hidden_size)
-            k = sd[hp + "self_attn.k_proj.weight"].view(m.num_query_groups, 1, d, m.hidden_size)
-            v = sd[hp + "self_attn.v_proj.weight"].view(m.num_query_groups, 1, d, m.hidden_size)
-            out[p + "attn.qkv"] = torch.cat([q, k, v], dim=1).reshape(-1, m.hidden_size)
-            out[p + "attn.proj"] = sd[hp + "self_attn.o_proj.weight"]
-            out[p + "mlp.fc1"] = torch.cat([sd[hp + "mlp.gate_proj.weight"], sd[hp + "mlp.up_proj.weight"]])
-            out[p + "mlp.fc2"] = sd[hp + "mlp.down_proj.weight"]
-            out[p + "input_norm.weight"] = sd[hp + "input_layernorm.weight"]
-            out[p + "pre_mlp_norm.weight"] = sd[hp + "post_attention_layernorm.weight"]
-        out["final_norm.weight"] = sd["model.norm.weight"]
-        out["output_layer.weight"] = sd["lm_head.weight"]
-        return out
+        return layout.from_hf(self.mcfg, sd)
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load HF-Llama-layout fp32 weights (e.g. the reference's exported init). Raises KeyError/ValueError."""
@@ -256,9 +203,7 @@ class Engine:
         return contextlib.nullcontext()
 
     def _check(self, mb: torch.Tensor) -> torch.Tensor:
-        if mb.dim() != 2 or mb.shape[1] != self.mcfg.seq_length + 1:
-            raise ValueError(f"micro-batch must be [b, {self.mcfg.seq_length + 1}], got {tuple(mb.shape)}")
-        return mb.to(self.device, non_blocking=True)
+        return layout.check_micro_batch(mb, self.mcfg.seq_length, self.device)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult:
         """One optimizer step over ``micro_batches`` (each ``[b, s+1]`` int64). Returns StepResult.
@@ -331,15 +276,9 @@ class Engine:
         return grad_norm
 
     def _grad_norm(self, grads: dict[str, torch.Tensor]) -> float:
-        """Global L2 norm of ``grads`` (in ``_norm_order``), Megatron's arithmetic: per-tensor norms ->
-        ``norm(tensor(norms))`` -> fp32 square -> ``.item() ** 0.5``. Under TP the replicated norm weights count
-        on TP rank 0 only and the squares are all-reduced over TP (get_grad_norm_fp32's model-parallel group)."""
-        terms = [g for g in grads.values() if self.tp.rank == 0 or g.dim() > 1]
-        norms = torch.norm(torch.tensor([torch.norm(g) for g in terms]))
-        total_sq = torch.tensor([float(norms)], dtype=torch.float32) ** 2.0
-        if self.tp.size > 1:
-            self.tp.all_reduce(total_sq)
-        return total_sq.item() ** 0.5
+        """Global L2 norm of ``grads`` (in ``_norm_order``), Megatron's arithmetic (:func:`scenarios._llama.optim.
+        grad_norm`; under TP the replicated norm weights count once)."""
+        return optim.grad_norm(list(grads.values()), self.tp)
 
     def _sync_grads(self) -> None:
         """DP gradient reduction (scale by 1/DP, then all-reduce or reduce-scatter each bucket)."""
@@ -347,11 +286,7 @@ class Engine:
 
     def _clip(self, grads, grad_norm: float) -> None:
         """Megatron's clip_grad_by_total_norm_fp32: ``g.copy_(g * coeff)`` only when ``coeff < 1``."""
-        if self.tcfg.clip_grad > 0:
-            coeff = self.tcfg.clip_grad / (grad_norm + 1.0e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    g.copy_(g * coeff)
+        optim.clip_(grads, grad_norm, self.tcfg.clip_grad)
 
     def _zero1_step(self, lr: float) -> float:
         """ZeRO-1 after the reduce-scatter: sharded norm, clip and AdamW on this rank's pieces, then all-gather.
@@ -377,22 +312,9 @@ class Engine:
 
     @torch.no_grad()
     def _adam_update(self, items, lr: float) -> None:
-        """torch AdamW single-tensor arithmetic over ``(state, param, grad, decayed)`` items (elementwise, so a
-        ZeRO-1 piece updates to the same bits as the whole tensor would)."""
-        t = self.tcfg
-        b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
-        for st, p, g, decayed in items:
-            st["step"] += 1.0
-            wd = t.weight_decay if decayed else 0.0
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            st["exp_avg"].lerp_(g, 1 - b1)
-            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            step = st["step"]
-            bc1 = 1 - b1 ** step
-            bc2 = 1 - b2 ** step
-            denom = (st["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
-            p.addcdiv_(st["exp_avg"], denom, value=-(lr / bc1))
+        """torch AdamW single-tensor arithmetic over ``(state, param, grad, decayed)`` items
+        (:func:`scenarios._llama.optim.adamw_single`)."""
+        optim.adamw_single(items, lr, self.tcfg)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
@@ -434,10 +356,7 @@ class Engine:
         """
         opt = {}
         if self.fsdp:  # DTensors: DCP writes each rank's shard and reshards on load
-            for name, st in self.adam_state.items():
-                opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
-                             "exp_avg_sq": st["exp_avg_sq"]}
-            return {"model": dict(self.model.state_dict()), "optimizer": opt,
+            return {"model": dict(self.model.state_dict()), "optimizer": optim.state_to_dict(self.adam_state),
                     "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
         if self.tp.size > 1:
             model = self._full(dict(self.model.state_dict()))
@@ -448,16 +367,9 @@ class Engine:
             return {"model": model, "optimizer": opt,
                     "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
         if self.ddp is not None and self.ddp.zero1:
-            d = self.ddp
-            m_full, v_full = d.gather_flat(self._m_shard), d.gather_flat(self._v_shard)
-            step = torch.tensor(float(self.completed_steps), dtype=torch.float64)
-            for name in self._named():
-                opt[name] = {"step": step.clone(), "exp_avg": d.view(m_full, name).clone(),
-                             "exp_avg_sq": d.view(v_full, name).clone()}
+            opt = optim.gather_zero1_state(self.ddp, self._m_shard, self._v_shard, self._named(), self.completed_steps)
         else:
-            for name, st in self.adam_state.items():
-                opt[name] = {"step": torch.tensor(st["step"], dtype=torch.float64), "exp_avg": st["exp_avg"],
-                             "exp_avg_sq": st["exp_avg_sq"]}
+            opt = optim.state_to_dict(self.adam_state)
         return {"model": self.model.state_dict(), "optimizer": opt,
                 "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
 
@@ -481,12 +393,7 @@ class Engine:
         self.model.load_state_dict(state["model"])
         if self.ddp is not None and self.ddp.zero1:
             self._shard_adam_state()
-            with torch.no_grad():
-                for pc in self.ddp.pieces:
-                    st, src = self.adam_state[pc.name], state["optimizer"][pc.name]
-                    st["step"] = float(src["step"])
-                    st["exp_avg"].copy_(src["exp_avg"].reshape(-1)[pc.start:pc.end])
-                    st["exp_avg_sq"].copy_(src["exp_avg_sq"].reshape(-1)[pc.start:pc.end])
+            optim.load_zero1_state(self.ddp, self.adam_state, state["optimizer"])
             return
         self.adam_state = {}
         for name, st in state["optimizer"].items():
@@ -495,13 +402,4 @@ class Engine:
 
     # ---------------------------------------------------------------- probes
     def module_probes(self) -> dict[str, torch.nn.Module]:
-        m = self.model
-        probes = {"embedding": m.embedding}
-        for i, blk in enumerate(m.layers):
-            probes[f"layers.{i}.input_norm"] = blk.input_norm
-            probes[f"layers.{i}.self_attention"] = blk.attn
-            probes[f"layers.{i}.pre_mlp_norm"] = blk.pre_mlp_norm
-            probes[f"layers.{i}.mlp"] = blk.mlp
-        probes["final_norm"] = m.final_norm
-        probes["output_layer"] = m.output_layer
-        return probes
+        return layout.module_probes(self.model)

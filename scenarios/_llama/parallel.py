@@ -1,4 +1,5 @@
-"""Data parallelism for the forged ``llama_tiny_cpu`` engine: Megatron-DDP's grad buffer and ZeRO-1, from scratch.
+"""Data and tensor parallelism of the forged Llama engines: Megatron-DDP's grad buffer and ZeRO-1, the TP splits,
+the process groups and :class:`ParallelState` (where this rank sits), from scratch.
 
 What is mirrored (megatron-core 0.16.1, ``distributed/param_and_grad_buffer.py`` and
 ``optimizer/distrib_optimizer.py``; the reference's README, "Gradient accumulation" and "ZeRO-1"):
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .model import TP1, TPGroup
 
 
 def megatron_registration_order(num_layers: int) -> list[str]:
@@ -343,3 +346,26 @@ def build_groups(dp: int, tp: int):
             if rank % tp == t:
                 dp_group = g
     return tp_group, rank % tp, dp_group
+
+
+@dataclass
+class ParallelState:
+    """Where this rank sits: ``dp_size`` data-parallel replicas, its tensor-parallel ``tp`` group
+    (:class:`~.model.TPGroup`, size 1 without TP), the ZeRO stage (0, 1 or 3 = FSDP2) and the DP process group
+    (None = the default group, or no group at all in a world of 1)."""
+
+    dp_size: int = 1
+    tp: TPGroup = TP1
+    zero_stage: int = 0
+    dp_group: object = None
+
+    @classmethod
+    def build(cls, pcfg) -> "ParallelState":
+        """From ``cfg.parallel``: creates the TP and DP groups (:func:`build_groups`, collective) when DP x TP > 1.
+        Raises RuntimeError when the world size is not DP x TP."""
+        dp, tp = pcfg.data_parallel_size, pcfg.tensor_parallel_size
+        tp_group, dp_group = TP1, None
+        if dp * tp > 1:
+            group, tp_rank, dp_group = build_groups(dp, tp)
+            tp_group = TPGroup(tp, tp_rank, group) if tp > 1 else TP1
+        return cls(dp, tp_group, pcfg.zero_stage, dp_group)

@@ -1,11 +1,12 @@
-"""A Llama decoder written from scratch for the ``llama_tiny_cpu`` scenario (plain PyTorch, no framework import).
+"""The Megatron-mirror Llama decoder, written from scratch (plain PyTorch, no framework import). The CPU engine
+(``llama_tiny_cpu``) and the Hopper engine's ``engine.mode=exact`` run it.
 
 Architecture: token embedding -> N x [RMSNorm -> GQA self-attention with rotate-half RoPE -> residual ->
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> untied LM head. No biases, no dropout.
 
 Every numerical detail that decides bit-equality with megatron-core 0.16.1 (local spec) is deliberate; each is
 marked ``[align N]`` and listed, with the item number, in this
-scenario's README. In short: activations are sequence-first ``[s, b, h]``; Q/K/V is one matmul whose rows are
+package's README. In short: activations are sequence-first ``[s, b, h]``; Q/K/V is one matmul whose rows are
 grouped per KV group (q heads, then k, then v); gate/up is one matmul ``[gate; up]``; linears run
 ``x @ W^T`` forward and ``dW = dY^T @ X`` backward on the 2-D views; attention is written out (baddbmm with the
 scale as alpha, -10000 mask fill, fp32 softmax, bmm); cross-entropy is Megatron's max-shifted form.

@@ -1,0 +1,118 @@
+"""Scenarios are one YAML file each: ``scenario.engine`` names the engine class (``module:Class``), resolved by
+``forgetrain.registry.resolve_engine`` alone; ``scenario.name`` must be the file's name. Several scenarios share
+the Hopper engine without a package of their own (llama3b_h200 is the proof: one file, its shape inside)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from forgetrain import registry
+from forgetrain.cli import _check_job, _compose
+from forgetrain.config import register_configs, to_run_config
+from forgetrain.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["hardware=cpu", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
+        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=176", "model.seq_length=16",
+        "engine.compile=false", "kernels.cross_entropy=torch", "kernels.adamw=torch", "train.precision=fp32"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _configs():
+    register_configs()
+
+
+def _run_config(overrides: list[str]):
+    cfg = _compose("config", overrides)
+    return to_run_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.parametrize("name", registry.scenarios())
+def test_every_scenario_file_composes_names_itself_and_resolves_its_engine(name):
+    # name == stem, engine resolves, values valid (on this CPU machine: hardware=cpu)
+    assert _check_job("config", [f"scenario={name}", "hardware=cpu"]) is None
+    rc = _run_config([f"scenario={name}"])
+    assert rc.scenario.name == name
+    assert registry.resolve_engine(rc.scenario.engine) is registry.resolve_engine(registry.engine_spec(name))
+
+
+def test_scenarios_share_the_hopper_engine_without_packages():
+    hopper = registry.resolve_engine("scenarios.llama1b_h200.engine:Engine")
+    for name in ("llama1b_h200", "llama3b_h200", "llama8b_h100"):
+        assert registry.resolve_engine(_run_config([f"scenario={name}"]).scenario.engine) is hopper
+    assert not (ROOT / "scenarios" / "llama8b_h100").exists() and not (ROOT / "scenarios" / "llama3b_h200").exists()
+    # composition, not a chain: the Hopper engine subclasses no other engine
+    assert hopper.__mro__ == (hopper, object)
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("scenarios.llama1b_h200.engine", "must be \"module.path:ClassName\""),
+    ("scenarios.llama1b_h200.engine:", "must be \"module.path:ClassName\""),
+    ("scenarios/llama1b_h200/engine.py:Engine", "must be \"module.path:ClassName\""),
+    ("scenarios.nope.engine:Engine", "no module 'scenarios.nope'"),
+    ("scenarios.llama1b_h200.engine:HopperEngine", "defines no 'HopperEngine'"),
+    ("forgetrain.config:SEED_MAX", "is not an engine class: SEED_MAX is not a class"),
+    ("forgetrain.config:RunConfig", "is not an engine class: RunConfig lacks init_weights"),
+])
+def test_resolve_engine_rejects_what_is_not_an_engine(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        registry.resolve_engine(spec)
+    with pytest.raises(ConfigError, match=match):  # and config validation says so before any work
+        _check_job("config", ["scenario=llama_tiny_cpu", f"scenario.engine={spec}"])
+
+
+def test_scenario_name_must_be_the_file_name():
+    with pytest.raises(ConfigError, match="scenario.name=llama1b_h200 is not the name of its file, "
+                                          "conf/scenario/llama_tiny_cpu.yaml"):
+        _check_job("config", ["scenario=llama_tiny_cpu", "scenario.name=llama1b_h200"])
+
+
+def test_cli_wrong_engine_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama_tiny_cpu", "train.steps=1",
+                        "scenario.engine=scenarios.llama_tiny_cpu.engine:Nope", f"train.out_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-1500:]
+    assert p.stderr.strip().splitlines() == [
+        "error: scenario.engine='scenarios.llama_tiny_cpu.engine:Nope': scenarios.llama_tiny_cpu.engine defines "
+        "no 'Nope'"], p.stderr[-1500:]
+    assert not out.exists()
+
+
+def test_llama3b_scenario_is_the_3b_shape_and_refuses_a_model_preset():
+    m = _run_config(["scenario=llama3b_h200"]).model
+    assert (m.name, m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.num_query_groups,
+            m.ffn_hidden_size, m.rotary_base) == ("llama3b", 128256, 3072, 28, 24, 8, 8192, 500000.0)
+    # same conventions as the 1B preset for everything the 3B card does not change
+    one_b = OmegaConf.load(ROOT / "conf" / "model" / "llama1b.yaml")
+    assert (m.seq_length, m.norm_epsilon, m.init_method_std) == (one_b.seq_length, one_b.norm_epsilon,
+                                                                 one_b.init_method_std)
+    with pytest.raises(ConfigError, match="model=llama_micro does not apply: scenario llama3b_h200 sets its own"):
+        _check_job("config", ["scenario=llama3b_h200", "model=llama_micro"])
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_llama3b_engine_builds_and_trains_at_a_tiny_shape_on_cpu(mode):
+    over = ["scenario=llama3b_h200", *TINY, f"engine.mode={mode}", "train.micro_batch_size=2",
+            "train.global_batch_size=4", "train.steps=2", "train.lr_warmup_steps=0"]
+    _check_job("config", over)
+    rc = _run_config(over)
+    assert rc.model.num_layers == 2 and rc.model.rotary_base == 500000.0  # the overrides, over the 3B shape
+    engine = registry.resolve_engine(rc.scenario.engine)(rc, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, rc.model.vocab_size, (2, rc.model.seq_length + 1), generator=g) for _ in range(2)]
+    first = engine.train_step(mbs)
+    assert abs(first.loss - math.log(rc.model.vocab_size)) < 0.5, first.loss  # near-uniform at init
+    assert math.isfinite(first.grad_norm) and first.grad_norm > 0
+    for _ in range(5):
+        last = engine.train_step(mbs)
+    assert last.loss < first.loss - 0.1, (first.loss, last.loss)
+    assert sorted(engine.export_hf_weights()) == sorted(registry.resolve_engine(
+        "scenarios.llama_tiny_cpu.engine:Engine")(rc, torch.device("cpu")).export_hf_weights())
