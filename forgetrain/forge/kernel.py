@@ -160,11 +160,15 @@ def _check(kernel: str, opts: ForgeOptions, agent: AgentConfig) -> None:
 
 def subprocess_gate(spec: Path, ws: Path, out: Path, result: Path) -> dict:
     """The default gate: ``python -m forgetrain.forge._kernel_gate`` in a process of its own."""
+    import os
+
     out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(wsmod.REPO_ROOT)] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]))
     with open(out / "gate.stdout", "wb") as log:
         subprocess.run([wsmod.python(), "-m", "forgetrain.forge._kernel_gate", "--spec", str(spec), "--workspace",
-                        str(ws), "--out", str(out), "--result", str(result)], cwd=out, stdin=subprocess.DEVNULL,
-                       stdout=log, stderr=subprocess.STDOUT)
+                        str(ws), "--out", str(out), "--result", str(result)], cwd=out, env=env,
+                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     if not result.exists():
         return {"passed": False, "failed_stage": "gate", "stages": [
             {"stage": "gate", "passed": False, "summary": f"the gate process died; see {out / 'gate.stdout'}"}]}
