@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
 
 from forgetrain.errors import ConfigError
@@ -135,18 +135,20 @@ class LoggerConfig:
     plots: bool = True  # write a local loss / throughput PNG at the end
 
 
-@dataclass
-class KernelsConfig:
-    """Per-op kernel switches of the forged engines (``kernels.rmsnorm=triton``). ``torch`` is the plain op.
+def _kernels_config():
+    """``KernelsConfig``: one string field per switch of :data:`forgetrain.kernels.switches.SWITCHES` (its default
+    value), plus ``allow_unsealed``. Built from that declaration, so a new switch needs no edit here."""
+    from forgetrain.kernels import switches as sw
 
-    Each switch's tier and end-to-end MFU delta are recorded in the scenario's ``optimisations.yaml``.
-    """
+    fields = [(s.name, str, field(default=s.default)) for s in sw.SWITCHES]
+    fields.append((sw.OVERRIDE, bool, field(default=False)))
+    return make_dataclass("KernelsConfig", fields, namespace={"__doc__": (
+        "Per-op kernel switches of the forged engines (``kernels.rmsnorm=triton``), declared in "
+        "forgetrain/kernels/switches.py (values, tiers, which need a seal); ``allow_unsealed=true`` runs a forged "
+        "kernel whose seal is missing or stale."), "__module__": __name__})
 
-    rmsnorm: str = "torch"  # torch | triton (RMSNorm fused with the residual add)
-    swiglu: str = "torch"  # torch | triton
-    rope: str = "torch"  # torch | triton
-    cross_entropy: str = "torch"  # torch (full logits) | chunked (LM head + CE per token chunk) | triton
-    adamw: str = "torch"  # torch (foreach/single-tensor) | fused (torch fused AdamW) | triton
+
+KernelsConfig = _kernels_config()
 
 
 @dataclass
@@ -269,8 +271,11 @@ def grad_accum_steps(cfg: RunConfig) -> int:
     return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
 
 
-def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
-    """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message."""
+def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None) -> RunConfig:
+    """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message.
+
+    ``engine_cls``: the engine that will run (default: the scenario's); its ``kernel_switches`` say which
+    ``kernels.*`` switches it honours (:func:`forgetrain.kernels.switches.check`)."""
     from forgetrain import registry
 
     known = registry.scenarios()
@@ -397,12 +402,12 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
 
         if not torch.cuda.is_available():
             raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
-    k = cfg.kernels
-    for op, allowed in (("rmsnorm", ("torch", "triton")), ("swiglu", ("torch", "triton")),
-                        ("rope", ("torch", "triton")), ("cross_entropy", ("torch", "chunked", "triton")),
-                        ("adamw", ("torch", "fused", "triton"))):
-        if getattr(k, op) not in allowed:
-            raise ConfigError(f"kernels.{op} must be one of {'|'.join(allowed)}, got '{getattr(k, op)}'")
+    from forgetrain.kernels import switches
+
+    for sw in switches.SWITCHES:
+        if getattr(cfg.kernels, sw.name) not in sw.names:
+            raise ConfigError(f"kernels.{sw.name} must be one of {'|'.join(sw.names)}, "
+                              f"got '{getattr(cfg.kernels, sw.name)}'")
     if cfg.engine.mode not in ("exact", "fast"):
         raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
     if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
@@ -419,6 +424,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> RunConfig:
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
+    engine_cls = engine_cls or registry.load_engine_class("scenarios", cfg.scenario.name)
+    switches.check(cfg.kernels, engine_cls, getattr(engine_cls, "name", cfg.scenario.name), cfg.engine.mode,
+                   cfg.hardware.device)
     from forgetrain import memory
 
     memory.check(cfg)  # last: a config that cannot fit the GPU is refused before any engine is built

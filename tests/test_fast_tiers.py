@@ -25,26 +25,21 @@ import pytest
 
 from forgetrain import equivalence as eq
 from forgetrain.config import EngineOptions, KernelsConfig
+from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
+from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.test_ladder import _cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
-SWITCHES = {  # name -> (kernels.* overrides, the optimisations.yaml entries switched on)
-    "fast_torch": ({"cross_entropy": "torch"}, ["batch_first_layout", "sdpa_attention"]),
-    "chunked_ce": ({"cross_entropy": "chunked"}, ["batch_first_layout", "sdpa_attention",
-                                                  "chunked_lm_head_cross_entropy"]),
-    "triton_rmsnorm": ({"rmsnorm": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
-    "triton_swiglu": ({"swiglu": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
-    "triton_rope": ({"rope": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
-    "triton_ce": ({"cross_entropy": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
-    "triton_adamw": ({"adamw": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels"]),
-    "grad_accum_fusion": ({"cross_entropy": "chunked"}, ["batch_first_layout", "sdpa_attention",
-                                                         "chunked_lm_head_cross_entropy", "grad_accum_fusion"]),
-    "grad_accum_fusion_torch_ce": ({"cross_entropy": "torch"}, ["batch_first_layout", "sdpa_attention",
-                                                                "grad_accum_fusion"]),
-    "triton_onepass": ({"adamw": "triton"}, ["batch_first_layout", "sdpa_attention", "triton_kernels",
-                                             "onepass_optimizer"]),
+FAST_BASE = ["batch_first_layout", "sdpa_attention"]
+SWITCHES = {  # name -> (kernels.* overrides, the optimisations.yaml entries switched on besides kernel switches)
+    "fast_torch": ({"cross_entropy": "torch"}, FAST_BASE),
+    # every kernel switch value the fast engine honours on CPU, from forgetrain/kernels/switches.py (tier there)
+    **{name: (kv, FAST_BASE) for name, kv, _ in switches.matrix(Hopper, "fast", "cpu")},
+    "grad_accum_fusion": ({"cross_entropy": "chunked"}, FAST_BASE + ["grad_accum_fusion"]),
+    "grad_accum_fusion_torch_ce": ({"cross_entropy": "torch"}, FAST_BASE + ["grad_accum_fusion"]),
+    "triton_onepass": ({"adamw": "triton"}, FAST_BASE + ["onepass_optimizer"]),
 }
 ENGINE = {  # name -> engine.* overrides beyond fast mode, for the switches that are engine options
     "grad_accum_fusion": {"grad_accum_fusion": True},
@@ -66,18 +61,17 @@ def fast_cfg(kernels: dict, engine: dict | None = None, **model):
 def run_switch(name: str, ref: str, out: str, engine_cls=None, **model) -> None:
     """Train the fast Hopper engine (or ``engine_cls``) with switch ``name`` from ``ref``'s init for STEPS steps
     into ``out``."""
-    from scenarios.llama1b_h200.engine import Engine as Hopper
-
     run_candidate(fast_cfg(SWITCHES[name][0], ENGINE.get(name), **model), VerifyConfig(steps=STEPS), Path(out),
                   STEPS, Path(ref) / "init.safetensors", engine_cls or Hopper)
 
 
-def declared(entries: list[str]) -> str:
-    """The weakest declared tier among ``entries`` of optimisations.yaml."""
+def declared(entries: list[str], kernels: dict) -> str:
+    """The weakest tier declared by ``entries`` of optimisations.yaml and by the kernel switch values ``kernels``
+    (forgetrain/kernels/switches.py)."""
     from omegaconf import OmegaConf
 
     opts = OmegaConf.load(ROOT / "scenarios" / "llama1b_h200" / "optimisations.yaml").optimisations
-    return max((opts[e].declared_tier for e in entries), key=LADDER.index)
+    return max([opts[e].declared_tier for e in entries] + switches.tier_of(kernels), key=LADDER.index)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +94,7 @@ def _candidate(name: str, ref: Path, out: Path, **model) -> Path:
 
 @pytest.mark.parametrize("name", sorted(SWITCHES))
 def test_switch_passes_its_declared_tier(name, ref, tmp_path):
-    want = declared(SWITCHES[name][1])
+    want = declared(SWITCHES[name][1], SWITCHES[name][0])
     cand = _candidate(name, ref, tmp_path / name)
     v = eq.tolerance(ref / "trace", cand / "trace", eq.load_tier("tolerance"))
     assert v.passed, f"{name} (declared {want}): {v.summary}"

@@ -13,6 +13,7 @@ import torch
 
 from forgetrain import equivalence as eq
 from forgetrain.config import EngineOptions, KernelsConfig
+from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.test_ladder import _cfg
@@ -39,14 +40,9 @@ def _fast(kernels: KernelsConfig, precision="fp32"):
                                kernels=kernels)
 
 
-SWITCHES = {
+SWITCHES = {  # every kernel switch value the fast engine honours on CPU (forgetrain/kernels/switches.py)
     "all_torch": KernelsConfig(cross_entropy="torch"),
-    "chunked_ce": KernelsConfig(cross_entropy="chunked"),
-    "triton_rmsnorm": KernelsConfig(rmsnorm="triton"),
-    "triton_swiglu": KernelsConfig(swiglu="triton"),
-    "triton_rope": KernelsConfig(rope="triton"),
-    "triton_ce": KernelsConfig(cross_entropy="triton"),
-    "triton_adamw": KernelsConfig(adamw="triton"),
+    **{name: KernelsConfig(**kv) for name, kv, _ in switches.matrix(Hopper, "fast", "cpu")},
 }
 
 

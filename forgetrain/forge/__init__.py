@@ -1,7 +1,7 @@
 """The forge loop (docs/design.md and docs/forge.md): brief -> agent -> guard -> ladder -> record -> learn -> seal.
 
 ``python -m forgetrain.forge scenario=NAME agent.command="..." forge.max_rounds=N forge.target_tier=bitwise``
-drives any coding-agent CLI (a command that takes a prompt and edits files) inside a harness-owned git
+(or ``kernel=NAME``: the kernel target, :mod:`.kernel`) drives any coding-agent CLI (a command that takes a prompt and edits files) inside a harness-owned git
 *workspace* seeded from ``scenarios/NAME/``. See docs/forge.md for the workflow and real agent command lines.
 
 Pieces (each its own module): :mod:`.workspace` (seeding, git snapshots, the write guard, loading the candidate
@@ -59,12 +59,17 @@ class ForgeOptions:
     ladder_timeout_s: float = 900.0  # wall-clock limit of one ladder run (a hung candidate is killed)
     out_dir: Optional[str] = None  # default outputs/forge/<scenario>/<mode>
     install: Optional[str] = None  # after sealing, install the sealed engine into this dir (e.g. scenarios/X)
+    # kernel targets (kernel=NAME, forgetrain.forge.kernel); seed_from may name a kernel .py to start from
+    kernel_store: Optional[str] = None  # sealed kernel references; default outputs/forge/kernel_store
+    kernel_timer: str = "auto"  # auto (cuda events on CUDA, wall clock on CPU) | cuda | wall | fake (tests only)
+    kernel_repeats: int = 30  # timed blocks per side and bench shape in the speed gate (>= 10)
 
 
 @dataclass
 class ForgeRunConfig(RunConfig):
     agent: AgentConfig = field(default_factory=AgentConfig)
     forge: ForgeOptions = field(default_factory=ForgeOptions)
+    kernel: Optional[str] = None  # kernel=NAME: forge a kernel of forgetrain.kernels instead of the engine
 
 
 def register() -> None:
@@ -87,7 +92,13 @@ def forge_task(cfg) -> None:
 
     obj = OmegaConf.to_container(cfg, resolve=True)
     agent, opts = AgentConfig(**obj.pop("agent")), ForgeOptions(**obj.pop("forge"))
-    state = forge(to_run_config(obj), opts, agent)
+    kernel = obj.pop("kernel", None)
+    if kernel:
+        from forgetrain.forge.kernel import forge_kernel
+
+        state = forge_kernel(to_run_config(obj), kernel, opts, agent)
+    else:
+        state = forge(to_run_config(obj), opts, agent)
     sys.exit(0 if state.get("status") == "sealed" else 1)
 
 

@@ -29,17 +29,12 @@ from __future__ import annotations
 
 import importlib
 
-KERNELS = ("rmsnorm", "swiglu", "rope", "cross_entropy", "adamw")
-_API = {
-    "rmsnorm_residual": "rmsnorm",
-    "swiglu": "swiglu",
-    "apply_rope": "rope",
-    "rope_tables": "rope",
-    "fused_linear_cross_entropy": "cross_entropy",
-    "adamw_step": "adamw",
-}
-_OP = {"rmsnorm": "rmsnorm_residual", "swiglu": "swiglu", "rope": "apply_rope",
-       "cross_entropy": "fused_linear_cross_entropy", "adamw": "adamw_step"}
+from forgetrain.kernels import switches as _switches
+
+# the kernels and their public functions, from the switch declarations (forgetrain/kernels/switches.py)
+KERNELS = _switches.kernels()
+_API = {api: s.kernel for s in _switches.SWITCHES if s.kernel for api in s.api}
+_OP = {s.kernel: s.api[0] for s in _switches.SWITCHES if s.kernel}
 __all__ = ["KERNELS", "get_spec", "all_specs", "module_of", "select", *_API]
 
 

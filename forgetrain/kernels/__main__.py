@@ -1,6 +1,7 @@
-"""``python -m forgetrain.kernels list|validate|bench|seal [--kernel NAME] [--device cpu|cuda] [--shapes small|full]``
+"""``python -m forgetrain.kernels list|switches|validate|bench|seal [--kernel NAME] [--device cpu|cuda] [--shapes small|full]``
 
 * ``list``      each kernel, its source hash, its seals per device (``STALE`` when the source changed since).
+* ``switches``  every ``kernels.<op>=<value>`` switch, the tier each value declares, which need a seal.
 * ``validate``  fwd + bwd against the fp64 oracle beside the replaced op; exit 1 when any kernel fails.
 * ``bench``     CUDA-event timings vs the replaced op and torch.compile of it (skipped, exit 0, without CUDA).
 * ``seal``      validate (+ bench on CUDA) and record the result in registry.json; refuses failing kernels.
@@ -18,7 +19,7 @@ import sys
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m forgetrain.kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=("list", "validate", "bench", "seal"))
+    p.add_argument("command", choices=("list", "switches", "validate", "bench", "seal"))
     p.add_argument("--kernel", action="append", help="kernel name (repeatable); default: all")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--shapes", choices=("small", "full"), default=None)
@@ -35,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "switches":  # needs neither torch nor triton
+        from forgetrain.kernels.switches import table
+
+        print("\n".join(table()))
+        return 0
     if args.device == "cpu":
         # must precede the first import of triton (kernel modules import it lazily)
         os.environ["TRITON_INTERPRET"] = "1"

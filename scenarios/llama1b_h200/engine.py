@@ -50,6 +50,16 @@ class Engine:
     Raises ConfigError for TP > 1 or ZeRO stages other than 0 and 1.
     """
 
+    # Kernel switches honoured (forgetrain/kernels/switches.py): engine.mode[/device] -> non-default values.
+    # Exact mode keeps Megatron's ops (only the optimizer step is switchable); torch's fused AdamW runs on CUDA only.
+    kernel_switches = {
+        "fast": {"rmsnorm": ("triton",), "swiglu": ("triton",), "rope": ("triton",),
+                 "cross_entropy": ("chunked", "triton"), "adamw": ("triton",)},
+        "fast/cuda": {"adamw": ("fused",)},
+        "exact": {"adamw": ("triton",)},
+        "exact/cuda": {"adamw": ("fused",)},
+    }
+
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)
         self.mcfg, self.tcfg, self.pcfg = cfg.model, cfg.train, cfg.parallel

@@ -21,6 +21,57 @@ def _timings(x: Sequence[float], what: str, discard: int) -> np.ndarray:
     return a
 
 
+def speed_stats(timings_ref: Sequence[float], timings_cand: Sequence[float], cfg: Mapping | None = None) -> dict:
+    """Is the candidate faster than the reference by more than the measured noise? The surpass tier's statistics
+    (the rule and its sources: ``conf/tier/surpass.yaml``), also used by the kernel forge's speed gate.
+
+    ``timings_ref`` / ``timings_cand``: seconds (or any one unit) per repetition of the same work, measured side by
+    side; ``cfg`` overrides ``conf/tier/surpass.yaml``. Returns the evidence dict: ``n_ref``, ``n_cand``,
+    ``config``, and either ``reason`` (fewer than ``min_samples`` timings on a side: no claim) or the medians,
+    ``speedup`` = median(ref) / median(cand), ``noise`` (max of the bootstrap and asymptotic estimates),
+    ``required_speedup`` = 1 + min_speedup_margin + noise, ``faster_beyond_noise`` (speedup > required), the
+    bootstrap interval and relative IQRs. Raises ValueError for non-finite or non-positive timings.
+    """
+    cfg = _tier_cfg("surpass", cfg)
+    discard = int(cfg["discard_first"])
+    a = _timings(timings_ref, "timings_ref", discard)
+    b = _timings(timings_cand, "timings_cand", discard)
+    evidence: dict[str, Any] = {"n_ref": int(a.size), "n_cand": int(b.size), "config": cfg}
+    if min(a.size, b.size) < int(cfg["min_samples"]):
+        evidence["reason"] = f"too few timings (ref {a.size}, cand {b.size}); need >= {cfg['min_samples']} per side"
+        return evidence
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    speedup = med_a / med_b
+    conf = float(cfg["confidence"])
+    rng = np.random.default_rng(int(cfg["bootstrap_seed"]))
+    B = int(cfg["bootstrap_resamples"])
+    boot_a = np.median(a[rng.integers(0, a.size, size=(B, a.size))], axis=1)
+    boot_b = np.median(b[rng.integers(0, b.size, size=(B, b.size))], axis=1)
+    boot = boot_a / boot_b
+    lo, hi = (float(q) for q in np.quantile(boot, [(1 - conf) / 2, (1 + conf) / 2]))
+    noise_boot = max(0.0, speedup - lo)
+
+    def rel_se(x: np.ndarray, med: float) -> tuple[float, float]:
+        iqr = float(np.subtract(*np.percentile(x, [75, 25])))
+        return iqr / med, math.sqrt(math.pi / 2) * (iqr / 1.349) / (med * math.sqrt(x.size))
+
+    riqr_a, se_a = rel_se(a, med_a)
+    riqr_b, se_b = rel_se(b, med_b)
+    z = statistics.NormalDist().inv_cdf((1 + conf) / 2)
+    noise_asym = speedup * z * math.sqrt(se_a ** 2 + se_b ** 2)
+    noise = max(noise_boot, noise_asym)
+    needed = 1.0 + float(cfg["min_speedup_margin"]) + noise
+    evidence.update({
+        "median_ref_step_s": med_a, "median_cand_step_s": med_b, "speedup": speedup,
+        "noise": noise, "noise_bootstrap": noise_boot, "noise_asymptotic": noise_asym,
+        "bootstrap_ci": [lo, hi], "confidence": conf, "required_speedup": needed,
+        "rel_iqr_ref": riqr_a, "rel_iqr_cand": riqr_b, "faster_beyond_noise": bool(speedup > needed),
+    })
+    if a.size == b.size:
+        evidence["paired_median_ratio"] = float(np.median(a / b))
+    return evidence
+
+
 def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_cand: Sequence[float],
             cfg: Mapping | None = None) -> Verdict:
     """Surpass tier: equivalence holds and the candidate is faster by more than the measured noise.
@@ -46,50 +97,15 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
     cfg = _tier_cfg("surpass", cfg)
     if not isinstance(loss_curve_verdict, Verdict) or loss_curve_verdict.tier not in EQUIVALENCE_TIERS:
         raise ValueError(f"surpass needs an equivalence Verdict (one of {', '.join(reversed(EQUIVALENCE_TIERS))})")
-    discard = int(cfg["discard_first"])
-    a = _timings(timings_ref, "timings_ref", discard)
-    b = _timings(timings_cand, "timings_cand", discard)
     evidence: dict[str, Any] = {"equivalence_tier": loss_curve_verdict.tier,
-                                "equivalence_passed": loss_curve_verdict.passed,
-                                "n_ref": int(a.size), "n_cand": int(b.size), "config": cfg}
-    if min(a.size, b.size) < int(cfg["min_samples"]):
-        reason = f"too few timings (ref {a.size}, cand {b.size}); need >= {cfg['min_samples']} per side"
-        evidence["reason"] = reason
-        return Verdict("surpass", False, reason, evidence, None)
-
-    med_a, med_b = float(np.median(a)), float(np.median(b))
-    speedup = med_a / med_b
-    conf = float(cfg["confidence"])
-    rng = np.random.default_rng(int(cfg["bootstrap_seed"]))
-    B = int(cfg["bootstrap_resamples"])
-    boot_a = np.median(a[rng.integers(0, a.size, size=(B, a.size))], axis=1)
-    boot_b = np.median(b[rng.integers(0, b.size, size=(B, b.size))], axis=1)
-    boot = boot_a / boot_b
-    lo, hi = (float(q) for q in np.quantile(boot, [(1 - conf) / 2, (1 + conf) / 2]))
-    noise_boot = max(0.0, speedup - lo)
-
-    def rel_se(x: np.ndarray, med: float) -> tuple[float, float]:
-        iqr = float(np.subtract(*np.percentile(x, [75, 25])))
-        return iqr / med, math.sqrt(math.pi / 2) * (iqr / 1.349) / (med * math.sqrt(x.size))
-
-    riqr_a, se_a = rel_se(a, med_a)
-    riqr_b, se_b = rel_se(b, med_b)
-    z = statistics.NormalDist().inv_cdf((1 + conf) / 2)
-    noise_asym = speedup * z * math.sqrt(se_a ** 2 + se_b ** 2)
-    noise = max(noise_boot, noise_asym)
-    margin = float(cfg["min_speedup_margin"])
-    needed = 1.0 + margin + noise
-    fast = speedup > needed
+                                "equivalence_passed": loss_curve_verdict.passed}
+    evidence.update(speed_stats(timings_ref, timings_cand, cfg))
+    if "reason" in evidence:
+        return Verdict("surpass", False, evidence["reason"], evidence, None)
+    speedup, needed, fast = evidence["speedup"], evidence["required_speedup"], evidence["faster_beyond_noise"]
+    noise, a_n, b_n = evidence["noise"], evidence["n_ref"], evidence["n_cand"]
     passed = bool(loss_curve_verdict.passed and fast)
-    evidence.update({
-        "median_ref_step_s": med_a, "median_cand_step_s": med_b, "speedup": speedup,
-        "noise": noise, "noise_bootstrap": noise_boot, "noise_asymptotic": noise_asym,
-        "bootstrap_ci": [lo, hi], "confidence": conf, "required_speedup": needed,
-        "rel_iqr_ref": riqr_a, "rel_iqr_cand": riqr_b, "faster_beyond_noise": fast,
-    })
-    if a.size == b.size:
-        evidence["paired_median_ratio"] = float(np.median(a / b))
-    speed = f"speedup {speedup:.3f}x (needs > {needed:.3f}x: noise {noise:.3f}, n={a.size}/{b.size})"
+    speed = f"speedup {speedup:.3f}x (needs > {needed:.3f}x: noise {noise:.3f}, n={a_n}/{b_n})"
     if not loss_curve_verdict.passed:
         summary = f"{loss_curve_verdict.tier} tier failed, so no speed claim counts; {speed}"
     elif not fast:
