@@ -233,14 +233,25 @@ _HYPER = ("step", "lr", "beta1", "beta2", "eps", "wd")
 
 def candidate_from(fn):
     def _candidate(inp):
+        gs = inp.get("grad_scale")
+        kw = {} if gs is None else {"grad_scale": torch.tensor([gs], dtype=torch.float32,
+                                                                device=inp["grads"][0].device)}
         fn(inp["params"], inp["grads"], inp["exp_avgs"], inp["exp_avg_sqs"], inp["main_params"],
-           **{k: inp[k] for k in _HYPER})
+           **{k: inp[k] for k in _HYPER}, **kw)
         return {k: inp[k] for k in ("main_params", "exp_avgs", "exp_avg_sqs", "params")}
     return _candidate
 
 
+def _scaled(inp):
+    """The grads as the replaced ops see them: ``g * coeff`` in fp32 (the clip pass) when a grad_scale is given."""
+    gs = inp.get("grad_scale")
+    if gs is None:
+        return inp["grads"]
+    return [g.to(torch.float64 if g.dtype == torch.float64 else torch.float32) * gs for g in inp["grads"]]
+
+
 def _reference(inp):
-    torch_ops.adamw_step(inp["params"], inp["grads"], inp["exp_avgs"], inp["exp_avg_sqs"], inp["main_params"],
+    torch_ops.adamw_step(inp["params"], _scaled(inp), inp["exp_avgs"], inp["exp_avg_sqs"], inp["main_params"],
                          **{k: inp[k] for k in _HYPER})
     return {k: inp[k] for k in ("main_params", "exp_avgs", "exp_avg_sqs", "params")}
 
@@ -249,7 +260,7 @@ def _oracle(inp):
     b1, b2, lr, wd, eps, step = (inp[k] for k in ("beta1", "beta2", "lr", "wd", "eps", "step"))
     bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
     mains, ms, vs = [], [], []
-    for w, g, m, v in zip(inp["main_params"], inp["grads"], inp["exp_avgs"], inp["exp_avg_sqs"]):
+    for w, g, m, v in zip(inp["main_params"], _scaled(inp), inp["exp_avgs"], inp["exp_avg_sqs"]):
         w = w * (1.0 - lr * wd)
         m = m + (1.0 - b1) * (g - m)
         v = b2 * v + (1.0 - b2) * g * g
@@ -283,7 +294,8 @@ def _make_inputs(shape, dtype, device, gen):
     return {"params": params, "grads": grads, "exp_avgs": ms, "exp_avg_sqs": vs, "main_params": main,
             "step": int(shape.get("step", 10)), "lr": float(shape.get("lr", 3e-4)),
             "beta1": float(shape.get("beta1", 0.9)), "beta2": float(shape.get("beta2", 0.95)),
-            "eps": float(shape.get("eps", 1e-8)), "wd": float(shape.get("wd", 0.1))}
+            "eps": float(shape.get("eps", 1e-8)), "wd": float(shape.get("wd", 0.1)),
+            **({"grad_scale": float(shape["grad_scale"])} if "grad_scale" in shape else {})}
 
 
 def _cost(shape, dtype):
@@ -308,16 +320,19 @@ def _layer(h, ffn, heads, kv_heads):
 SPEC = KernelSpec(
     name="adamw",
     module=__name__,
-    api="adamw_step(params, grads, exp_avgs, exp_avg_sqs, main_params=None, *, step, lr, beta1, beta2, eps, wd)",
+    api="adamw_step(params, grads, exp_avgs, exp_avg_sqs, main_params=None, *, step, lr, beta1, beta2, eps, wd, "
+        "grad_scale=None)",
     replaces="torch.optim.AdamW(foreach=False).step() on fp32 main params (torch.optim.adamw.adamw(..., "
-             "foreach=False)); then params[i].copy_(main_params[i])",
+             "foreach=False)); then params[i].copy_(main_params[i]); with grad_scale, preceded by the clip pass "
+             "g.mul_(coeff)",
     candidate=candidate_from(adamw_step),
     reference=_reference,
     oracle=_oracle,
     make_inputs=_make_inputs,
     inputs={"params": "list of [*] dtype (model weights)", "grads": "list of [*] fp32 or bf16",
             "exp_avgs": "list of [*] fp32", "exp_avg_sqs": "list of [*] fp32", "main_params": "list of [*] fp32",
-            "step/lr/beta1/beta2/eps/wd": "python scalars"},
+            "step/lr/beta1/beta2/eps/wd": "python scalars",
+            "grad_scale": "optional python float (a one-element fp32 tensor to the kernel)"},
     outputs={"main_params": "updated in place", "exp_avgs": "updated in place", "exp_avg_sqs": "updated in place",
              "params": "overwritten with main_params rounded to dtype",
              "update (derived)": "main_params_new - main_params_old, fp64"},
@@ -326,8 +341,9 @@ SPEC = KernelSpec(
     shapes={
         "small": ({"shapes": [[64, 48], [100], [33, 7]], "step": 1},
                   {"shapes": [[130, 17], [5], [300]], "step": 1000, "grad_dtype": "bfloat16", "wd": 0.0},
-                  {"shapes": [[40, 40]], "step": 7, "beta1": 0.3}),
-        "full": ({"shapes": _layer(2048, 8192, 32, 8), "step": 100},
+                  {"shapes": [[40, 40]], "step": 7, "beta1": 0.3},
+                  {"shapes": [[64, 48], [100]], "step": 5, "grad_scale": 0.37}),  # clipping folded in
+        "full": ({"shapes": _layer(2048, 8192, 32, 8), "step": 100, "grad_scale": 0.5},
                  {"shapes": _layer(4096, 14336, 32, 8), "step": 100}),
     },
     cost=_cost,
