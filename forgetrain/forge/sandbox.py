@@ -160,15 +160,7 @@ def candidate_cache(judge_cache: Path, dest: Path) -> dict[str, tuple]:
 
 def cache_changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
     """``added F`` / ``removed F`` / ``changed F`` for every file whose :func:`stat_signature` entry differs."""
-    out = []
-    for k in sorted(set(before) | set(after)):
-        if k not in after:
-            out.append(f"removed {k}")
-        elif k not in before:
-            out.append(f"added {k}")
-        elif before[k] != after[k]:
-            out.append(f"changed {k}")
-    return out
+    return wsmod.hash_changes(before, after, ("removed", "added", "changed"))
 
 
 def sandbox_env(cache_dir: Path, *, writable: bool, base: dict | None = None) -> dict:

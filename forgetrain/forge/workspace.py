@@ -375,15 +375,18 @@ def hash_paths(paths: list[Path]) -> dict[str, str]:
     return out
 
 
-def hash_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
+def hash_changes(before: dict, after: dict, words: tuple[str, str, str] = ("deleted", "added", "modified")
+                 ) -> list[str]:
+    """``<word> KEY`` for every key of two snapshots (path -> hash or stat tuple) that differs, sorted by key;
+    ``words`` name a key gone, a new key and a changed value."""
     rows = []
     for k in sorted(set(before) | set(after)):
         if k not in after:
-            rows.append(f"deleted {k}")
+            rows.append(f"{words[0]} {k}")
         elif k not in before:
-            rows.append(f"added {k}")
+            rows.append(f"{words[1]} {k}")
         elif before[k] != after[k]:
-            rows.append(f"modified {k}")
+            rows.append(f"{words[2]} {k}")
     return rows
 
 
