@@ -424,8 +424,8 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None) -> RunConfig:
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
-    engine_cls = engine_cls or registry.load_engine_class("scenarios", cfg.scenario.name)
-    switches.check(cfg.kernels, engine_cls, getattr(engine_cls, "name", cfg.scenario.name), cfg.engine.mode,
+    engine_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
+    switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}", cfg.engine.mode,
                    cfg.hardware.device)
     from forgetrain import memory
 

@@ -72,9 +72,10 @@ def test_cli_lists_the_switches():
 ])
 def test_unhonoured_switch_is_refused(engine, kernels, mode, device):
     name, val = next(iter(kernels.items()))
-    with pytest.raises(ConfigError, match=rf"kernels\.{name}={val} is not honoured by engine {engine.name} "
+    label = f"{engine.__module__}:{engine.__qualname__}"  # as validate names it: the scenario's engine string
+    with pytest.raises(ConfigError, match=rf"kernels\.{name}={val} is not honoured by engine {label} "
                                           rf"in engine.mode={mode} on {device}"):
-        switches.check(KernelsConfig(**kernels), engine, engine.name, mode, device)
+        switches.check(KernelsConfig(**kernels), engine, label, mode, device)
 
 
 def test_honoured_switches_pass():
@@ -86,7 +87,7 @@ def test_honoured_switches_pass():
 
 def test_validate_uses_the_engine_that_runs():
     """Passed engine_cls wins over the scenario's engine (llama_tiny_cpu, which honours nothing)."""
-    with pytest.raises(ConfigError, match="not honoured by engine llama_tiny_cpu"):
+    with pytest.raises(ConfigError, match="not honoured by engine scenarios.llama_tiny_cpu.engine:Engine"):
         validate(_with({"swiglu": "triton"}))
     validate(_with({"swiglu": "triton"}), engine_cls=Hopper)
 
@@ -98,7 +99,7 @@ def test_cli_refuses_an_unhonoured_switch_in_one_line(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert lines[-1].startswith("error: kernels.cross_entropy=chunked is not honoured by engine llama1b_h200 in "
+    assert lines[-1].startswith("error: kernels.cross_entropy=chunked is not honoured by engine scenarios.llama1b_h200.engine:Engine in "
                                 "engine.mode=exact on cpu"), lines[-1]
     assert not out.exists()
 

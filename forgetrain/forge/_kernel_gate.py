@@ -194,7 +194,7 @@ def stage_e2e(spec: dict, ws: Path, out: Path) -> dict:
     cfg = _e2e_cfg(spec)
     gdir = Path(e["golden"])
     cand = run_candidate(cfg, VerifyConfig(steps=e["steps"]), out / "e2e_cand", e["steps"],
-                         gdir / "init.safetensors", registry.load_engine_class("scenarios", cfg.scenario.name))
+                         gdir / "init.safetensors", registry.resolve_engine(cfg.scenario.engine))
     oracle = gdir / "oracle" / "trace"
     v = judge(e["tier"], dict(load_tier(e["tier"])), [gdir / "trace"], cand / "trace",
               oracle=oracle if oracle.is_dir() else None)[0]
