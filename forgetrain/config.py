@@ -271,11 +271,13 @@ def grad_accum_steps(cfg: RunConfig) -> int:
     return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
 
 
-def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None) -> RunConfig:
+def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bool = False) -> RunConfig:
     """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message.
 
     ``engine_cls``: the engine that will run (default: the scenario's); its ``kernel_switches`` say which
-    ``kernels.*`` switches it honours (:func:`forgetrain.kernels.switches.check`)."""
+    ``kernels.*`` switches it honours (:func:`forgetrain.kernels.switches.check`). ``reference``: a reference
+    engine runs this config (verify's other side); it ignores ``kernels.*``, so the switches are not checked for
+    it (the candidate's run of the same config checks them)."""
     from forgetrain import registry
 
     known = registry.scenarios()
@@ -413,10 +415,10 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None) -> RunConfig:
     if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
         raise ConfigError("engine.grad_accum_fusion=true needs engine.mode=fast (exact mode is the bitwise "
                           "Megatron mirror: its grads stay bf16 .grad added into main_grad)")
-    if cfg.engine.onepass_optimizer and (cfg.engine.mode != "fast" or k.adamw != "triton"
+    if cfg.engine.onepass_optimizer and (cfg.engine.mode != "fast" or cfg.kernels.adamw != "triton"
                                          or cfg.parallel.zero_stage != 0):
         raise ConfigError("engine.onepass_optimizer=true needs engine.mode=fast, kernels.adamw=triton and "
-                          f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={k.adamw}, "
+                          f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={cfg.kernels.adamw}, "
                           f"zero_stage={cfg.parallel.zero_stage}")
     if cfg.engine.ce_chunk_tokens is not None and cfg.engine.ce_chunk_tokens <= 0:
         raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
@@ -425,8 +427,9 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None) -> RunConfig:
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
     engine_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
-    switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}", cfg.engine.mode,
-                   cfg.hardware.device)
+    if not reference:
+        switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}",
+                       cfg.engine.mode, cfg.hardware.device)
     from forgetrain import memory
 
     memory.check(cfg)  # last: a config that cannot fit the GPU is refused before any engine is built

@@ -180,8 +180,8 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     config, written to ``<out>/.hydra/config.yaml`` (``config.resume.yaml`` on a resume) once the run owns
     ``out``, so a rejected run writes nothing and a refused second run leaves the first run's record alone."""
     env: DistEnv = init_distributed(cfg.parallel)
-    validate(cfg, world_size=env.world_size,
-             engine_cls=kw.get("engine_cls") if kw.get("kind", "scenarios") == "scenarios" else None)
+    ref = kw.get("kind", "scenarios") != "scenarios"
+    validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     lock = _lock_out_dir(out, env)
     try:

@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -8,6 +9,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Without a GPU, Triton runs only in its interpreter, and TRITON_INTERPRET is read when triton is first imported:
+# set it before any test module can import it (the kernel-switch tests reach forgetrain.kernels before
+# test_kernels.py runs, and the interpreter then stayed off for the whole session).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

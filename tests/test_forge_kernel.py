@@ -35,7 +35,9 @@ AGENT = ROOT / "tests" / "forge_agents" / "scripted_agent.py"
 
 def _rc(scenario="llama1b_h200"):
     c = _cfg()
-    return dataclasses.replace(c, scenario=ScenarioConfig(name=scenario),
+    from forgetrain.registry import engine_spec
+
+    return dataclasses.replace(c, scenario=ScenarioConfig(name=scenario, engine=engine_spec(scenario)),
                                engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24))
 
 
@@ -134,7 +136,7 @@ def test_goal_only_brief_has_goal_contract_and_gate_only(tmp_path):
 @pytest.mark.parametrize("kernel,scenario,match", [
     ("nope", "llama1b_h200", "unknown kernel 'nope'"),
     ("swiglu", "llama_tiny_cpu", "scenario=llama_tiny_cpu cannot run the kernel end to end: kernels.swiglu=triton "
-                                 "is not honoured by engine llama_tiny_cpu"),
+                                 "is not honoured by engine scenarios.llama_tiny_cpu.engine:Engine"),
 ])
 def test_bad_kernel_target_is_refused(tmp_path, kernel, scenario, match):
     with pytest.raises(ConfigError, match=match):

@@ -119,7 +119,7 @@ def test_llama3_8b_full_depth_refused_on_h200(monkeypatch):
 
 def test_cpu_is_not_checked(monkeypatch):
     monkeypatch.delenv(memory.FAKE_DEVICE_ENV, raising=False)
-    cfg = _compose([*LLAMA3_8B, "hardware=cpu"])
+    cfg = _compose([*LLAMA3_8B, "hardware=cpu", "kernels.adamw=torch"])  # torch's fused AdamW is CUDA-only
     assert memory.device_capacity_bytes(cfg) is None
     validate(cfg)  # the 8B estimate exceeds any GPU, but on CPU nothing is checked
 
