@@ -123,7 +123,10 @@ _ALIGN_HINT_OK = {"ok": True}
 
 
 def _block_size(device: torch.device) -> int:
-    return 256 if device.type == "cpu" else 2048
+    """Elements per program. The same on both device types, so that the CPU interpreter runs the GPU's blocking
+    (full blocks and masked tails); at 256 the interpreter ran 14x slower for no extra coverage."""
+    del device
+    return 2048
 
 
 def _tables(group: list, block: int, device: torch.device):
