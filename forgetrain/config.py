@@ -167,6 +167,13 @@ class EngineOptions:
     # clipping is folded into the Triton AdamW kernel (no clip pass, no host sync before it) and the kernel writes
     # the bf16 model weights itself (no separate fp32 -> bf16 copy). Tolerance tier (optimisations.yaml)
     onepass_optimizer: bool = False
+    # Activation recompute of the decoder layers: none | full (Megatron's recompute_granularity=full,
+    # recompute_method=uniform, one layer per checkpoint). Bitwise: it repeats the same ops (optimisations.yaml)
+    recompute: str = "none"
+    # Where the bf16 working weights of the decoder layers live under train.precision=bf16: resident (a bf16 copy
+    # beside the fp32 main weights, Megatron's recipe) | per_layer (no copy between steps: each layer's is cast
+    # from the fp32 main weights when its forward or its recompute starts; needs recompute=full). Bitwise
+    bf16_weights: str = "resident"
 
 
 @dataclass
@@ -420,6 +427,17 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
         raise ConfigError("engine.onepass_optimizer=true needs engine.mode=fast, kernels.adamw=triton and "
                           f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={cfg.kernels.adamw}, "
                           f"zero_stage={cfg.parallel.zero_stage}")
+    if cfg.engine.recompute not in ("none", "full"):
+        raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
+    if cfg.engine.bf16_weights not in ("resident", "per_layer"):
+        raise ConfigError(f"engine.bf16_weights must be resident|per_layer, got '{cfg.engine.bf16_weights}'")
+    if cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full" or cfg.train.precision != "bf16"
+                                                    or cfg.parallel.data_parallel_size > 1
+                                                    or cfg.parallel.zero_stage != 0):
+        raise ConfigError("engine.bf16_weights=per_layer needs engine.recompute=full, train.precision=bf16 and one "
+                          f"GPU without ZeRO; got recompute={cfg.engine.recompute}, precision="
+                          f"{cfg.train.precision}, data_parallel_size={cfg.parallel.data_parallel_size}, "
+                          f"zero_stage={cfg.parallel.zero_stage}")
     if cfg.engine.ce_chunk_tokens is not None and cfg.engine.ce_chunk_tokens <= 0:
         raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
     if cfg.logger.name not in ("none", "wandb"):
@@ -427,6 +445,9 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
     engine_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
+    if not reference and cfg.engine.recompute != "none" and not getattr(engine_cls, "supports_recompute", False):
+        raise ConfigError(f"engine.recompute={cfg.engine.recompute} is not implemented by engine "
+                          f"{cfg.scenario.engine}; set engine.recompute=none")
     if not reference:
         switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}",
                        cfg.engine.mode, cfg.hardware.device)

@@ -100,15 +100,21 @@ class _Probe:
 
     def __init__(self, probes: dict[str, torch.nn.Module]):
         self.records: dict[str, dict] = {}
+        self._hooked: set[str] = set()  # probes whose output gradient hook is set
         self.handles = [mod.register_forward_hook(self._hook(name)) for name, mod in probes.items()]
 
     def _hook(self, name):
         def fwd(_mod, _inp, out):
-            if name in self.records:
-                return
             t = out[0] if isinstance(out, (tuple, list)) else out
-            rec = self.records[name] = {"fwd": tensor_digest(t), "fwd_l2": float(t.detach().float().norm())}
+            rec = self.records.get(name)
+            if rec is None:
+                rec = self.records[name] = {"fwd": tensor_digest(t), "fwd_l2": float(t.detach().float().norm())}
+            elif name in self._hooked or not t.requires_grad:
+                return
+            # Under activation recompute (engine.recompute=full) the first forward runs without autograd; the
+            # gradient is hooked on the recomputed output of the same micro-batch, which comes next.
             if t.requires_grad:
+                self._hooked.add(name)
                 def on_grad(g, rec=rec):
                     rec["grad"] = tensor_digest(g)
                     rec["grad_l2"] = float(g.detach().float().norm())

@@ -374,6 +374,7 @@ class Llama(nn.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size, tp)
         self._freqs: dict = {}
+        self.layer_runner = None  # set by the Hopper engine under engine.recompute=full (scenarios/_llama/recompute)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator) -> None:
@@ -391,8 +392,9 @@ class Llama(nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         freqs, mask = self._rope_and_mask(ids.shape[1], ids.device)
         x = self.embedding(ids)
-        for layer in self.layers:
-            x = layer(x, freqs, mask)
+        run = self.layer_runner  # engine.recompute=full: a recompute.LayerRunner
+        for i, layer in enumerate(self.layers):
+            x = run(i, x, freqs, mask) if run is not None else layer(x, freqs, mask)
         logits = self.output_layer(self.final_norm(x))
         if labels is None:
             return logits

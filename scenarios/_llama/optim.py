@@ -94,11 +94,16 @@ def onepass_update(main: dict, main_grad: dict, model: dict, adam_state: dict, o
         ks = [k for k in main if (main[k].dim() > 1) == decay]
         if not ks:
             continue
-        sts = [adam_state[k] for k in ks]
-        adamw_step([model[k].data for k in ks], [main_grad[k] for k in ks], [s["exp_avg"] for s in sts],
-                   [s["exp_avg_sq"] for s in sts], [main[k] for k in ks] if bf16 else None, step=step, lr=lr,
-                   beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps, wd=t.weight_decay if decay else 0.0,
-                   grad_scale=scale)
+        # a model weight that is its own main weight (fp32, or engine.bf16_weights=per_layer) updates in place
+        for own in (False, True):
+            sel = [k for k in ks if (not bf16 or model[k].data.data_ptr() == main[k].data_ptr()) == own]
+            if not sel:
+                continue
+            sts = [adam_state[k] for k in sel]
+            adamw_step([model[k].data for k in sel], [main_grad[k] for k in sel], [s["exp_avg"] for s in sts],
+                       [s["exp_avg_sq"] for s in sts], None if own else [main[k] for k in sel], step=step, lr=lr,
+                       beta1=t.adam_beta1, beta2=t.adam_beta2, eps=t.adam_eps,
+                       wd=t.weight_decay if decay else 0.0, grad_scale=scale)
     return float(norm)
 
 

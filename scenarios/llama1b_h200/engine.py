@@ -35,7 +35,7 @@ import torch.distributed as dist
 from forgetrain.engine import StepResult
 from forgetrain.errors import ConfigError
 from forgetrain.schedule import lr_for_step
-from scenarios._llama import layout, optim
+from scenarios._llama import layout, optim, recompute
 from scenarios._llama.model import Llama
 from scenarios._llama.parallel import GradBuffer, ParallelState, megatron_registration_order
 from scenarios.llama1b_h200.wgrad import WGradAccum, probe_path
@@ -59,6 +59,7 @@ class Engine:
         "exact": {"adamw": ("triton",)},
         "exact/cuda": {"adamw": ("fused",)},
     }
+    supports_recompute = True  # engine.recompute=full and engine.bf16_weights=per_layer (scenarios/_llama/recompute)
 
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)
@@ -89,6 +90,8 @@ class Engine:
             self.grad_accum_path = probe_path(self.device)[0] if self.bf16 else "fp32_upcast"  # fp32: one addmm_
         self._fused: list[str] = []
         self.onepass = self.fast and self.opts.onepass_optimizer
+        self.per_layer = self.bf16 and self.opts.bf16_weights == "per_layer"
+        self._own: list[str] = []  # per-layer weights: the recompute writes their main_grad itself
         self.init_weights()
 
     # ------------------------------------------------------------------ weights
@@ -101,7 +104,14 @@ class Engine:
 
     def _make_main(self) -> None:
         named = self._named()
-        if self.bf16:
+        if self.per_layer:  # the layers' fp32 parameters are the main weights; the rest get a bf16 copy
+            own = recompute.per_layer_names(self.model)
+            self.main = {k: p.data if k in own else p.detach().float().clone() for k, p in named.items()}
+            for name, child in self.model.named_children():
+                if name != "layers":
+                    child.to(torch.bfloat16)
+            self._own = [k for k in self.main if k in own]
+        elif self.bf16:
             self.main = {k: p.detach().float().clone() for k, p in named.items()}
             self.model.to(torch.bfloat16)
         else:
@@ -114,6 +124,22 @@ class Engine:
             self.adam_state = optim.fresh_state(self.main)
         if self.fusion:  # under DP these are views of the flat buffer: the GEMMs write into it directly
             self._fused = self.model.attach_main_grad(self.main_grad)
+        if self.opts.recompute == "full":
+            self._attach_runner()
+
+    def _attach_runner(self) -> None:
+        """``engine.recompute=full``: the model runs its layers through a :class:`recompute.LayerRunner`, with
+        just-in-time bf16 weights under ``engine.bf16_weights=per_layer`` (module doc there)."""
+        context = None
+        if self.fast:
+            from scenarios.llama1b_h200.fast import _sdpa_priority
+
+            backend, device = self.opts.attention_backend, self.device
+            context = lambda: _sdpa_priority(backend, device)  # noqa: E731 - the recompute picks the same kernels
+        self.model.layer_runner = recompute.LayerRunner(
+            self.model.layers, per_layer_dtype=torch.bfloat16 if self.per_layer else None,
+            main_grad=self.main_grad if self.per_layer else None, fused=self._fused,
+            compile=self.fast and self.opts.compile, context=context)
 
     @property
     def bench_info(self) -> dict:
@@ -143,7 +169,8 @@ class Engine:
     def _sync_model_from_main(self) -> None:
         if self.bf16:
             named = self._named()
-            torch._foreach_copy_([named[k].data for k in self.main], list(self.main.values()))
+            ks = [k for k in self.main if named[k].data.data_ptr() != self.main[k].data_ptr()]
+            torch._foreach_copy_([named[k].data for k in ks], [self.main[k] for k in ks])
 
     def _named(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -180,11 +207,14 @@ class Engine:
         losses, per_token = [], []
         if self.ddp is not None:
             self.ddp.new_step()
-        if self._fused:  # the fused weights' GEMMs wrote main_grad themselves; the others (norms) come from .grad
-            fused = set(self._fused)
-            keys = [k for k in keys if k not in fused]
+        if self._fused or self._own:  # fused GEMMs and per-layer recompute wrote main_grad themselves
+            skip = set(self._fused) | set(self._own)
+            keys = [k for k in keys if k not in skip]
+        runner = getattr(self.model, "layer_runner", None)
         for i, mb in enumerate(micro_batches):
             mb = self._check(mb)
+            if runner is not None:
+                runner.begin_micro_batch(i == 0)
             if self.fusion:  # first micro-batch: the GEMMs overwrite main_grad (beta 0), then accumulate
                 loss, tok = self.model(mb[:, :-1], mb[:, 1:], self._accum(i, n))
             elif self.fast:
@@ -193,9 +223,9 @@ class Engine:
                 tok = self.model(mb[:, :-1], mb[:, 1:])
                 loss = tok.mean()
             (loss / n).backward()
-            stray = [k for k in self._fused if named[k].grad is not None]
+            stray = [k for k in self._fused + self._own if named[k].grad is not None]
             if stray:
-                raise RuntimeError(f"grad_accum_fusion: fused weights got an autograd .grad as well: {stray}")
+                raise RuntimeError(f"fused or per-layer weights got an autograd .grad as well: {stray}")
             # Megatron's DDP hook: main_grad (zeroed) += grad, fp32 += bf16/fp32, then drop the model grad.
             # 0 + g == g exactly (up to the sign of zero), so the first micro-batch copies instead: one pass less.
             if i == 0:

@@ -208,7 +208,8 @@ class FastLlama(nn.Module):
         self._blocks = list(self.layers)
         self.attention_backend = getattr(engine_opts, "attention_backend", "cudnn")
         self.main_grad: dict[str, torch.Tensor] = {}  # attach_main_grad: the weights fused into main_grad
-        if engine_opts.compile:
+        self.layer_runner = None  # set by the engine under engine.recompute=full (it compiles the layers itself)
+        if engine_opts.compile and getattr(engine_opts, "recompute", "none") == "none":
             self._blocks = [torch.compile(b) for b in self.layers]
 
     def reset_parameters(self, generator):
@@ -247,8 +248,9 @@ class FastLlama(nn.Module):
             rope32 = self._rope[rk]
         x = wgrad.embedding(ids, self.embedding.weight, self.main_grad.get("embedding.weight"), acc)
         with _sdpa_priority(self.attention_backend, ids.device):
-            for blk in self._blocks:
-                x = blk(x, cos, sin, rope32, acc)
+            run = self.layer_runner  # engine.recompute=full: a scenarios._llama.recompute.LayerRunner
+            for i, blk in enumerate(self._blocks):
+                x = run(i, x, cos, sin, rope32, acc) if run is not None else blk(x, cos, sin, rope32, acc)
         return F.rms_norm(x, (x.shape[-1],), self.final_norm.weight, self.cfg.norm_epsilon)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor, acc: WGradAccum | None = None):

@@ -1,0 +1,144 @@
+"""Full activation recompute and just-in-time bf16 layer weights (``engine.recompute=full``,
+``engine.bf16_weights=per_layer``; ``scenarios/_llama/recompute.py``), declared bitwise in
+``scenarios/llama1b_h200/optimisations.yaml``.
+
+* exact mode with both switches is bitwise against the Megatron-core reference through the bitwise tier (bf16
+  weights with fp32 main weights, micro-batch 2 x grad-accum 2, 3 steps);
+* on the engine itself, each switch leaves every loss and every final weight bitwise unchanged, in exact and fast
+  mode, with and without gradient accumulation fusion;
+* per-layer mode really holds no bf16 copy of the layers and runs the recompute;
+* two deliberately wrong implementations are caught: a weight cast that truncates instead of rounding to nearest,
+  and a recompute that adds into ``main_grad`` on the first micro-batch instead of overwriting it;
+* bad values and combinations are refused with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from forgetrain import equivalence as eq
+from forgetrain.config import EngineOptions, KernelsConfig, validate
+from forgetrain.errors import ConfigError
+from forgetrain.verify import VerifyConfig, run_candidate, run_reference
+from scenarios._llama import recompute
+from scenarios.llama1b_h200.engine import Engine as Hopper
+from tests.test_ladder import _cfg
+
+BOTH = {"recompute": "full", "bf16_weights": "per_layer"}
+
+
+def _cfg_for(mode: str, precision: str = "bf16", **engine):
+    c = _cfg(precision=precision)
+    m = dataclasses.replace(c.model, vocab_size=256)
+    kernels = KernelsConfig(cross_entropy="chunked" if mode == "fast" else "torch")
+    return dataclasses.replace(c, model=m, kernels=kernels,
+                               engine=EngineOptions(mode=mode, compile=False, ce_chunk_tokens=24, **engine))
+
+
+def _train(cfg, init: dict, steps: int = 3):
+    torch.manual_seed(0)
+    mbs = [[torch.randint(0, 256, (2, 33)) for _ in range(2)] for _ in range(steps)]
+    eng = Hopper(cfg, "cpu")
+    eng.load_hf_weights(init)
+    losses = [eng.train_step(m).loss for m in mbs]
+    return losses, eng.export_hf_weights(), eng
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_exact_mode_with_recompute_and_per_layer_weights_is_bitwise_vs_reference(tmp_path):
+    cfg = dataclasses.replace(_cfg(precision="bf16"), engine=EngineOptions(mode="exact", **BOTH),
+                              kernels=KernelsConfig())
+    validate(cfg, engine_cls=Hopper)
+    ref = run_reference(cfg, VerifyConfig(steps=3), tmp_path / "ref", 3)
+    cand = run_candidate(cfg, VerifyConfig(steps=3), tmp_path / "cand", 3, ref / "init.safetensors", Hopper)
+    v = eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise"))
+    assert v.passed, v.summary
+
+
+@pytest.mark.parametrize("mode,extra", [("exact", {}), ("fast", {}), ("fast", {"grad_accum_fusion": True})],
+                         ids=["exact", "fast", "fast_fused"])
+def test_switches_change_no_bit(mode, extra):
+    init = Hopper(_cfg_for(mode), "cpu").export_hf_weights()
+    base = _train(_cfg_for(mode, **extra), init)
+    for variant in ({"recompute": "full"}, BOTH):
+        got = _train(_cfg_for(mode, **extra, **variant), init)
+        assert _same(base, got), (variant, base[0], got[0])
+
+
+def test_per_layer_mode_holds_no_bf16_layer_copy_and_recomputes(monkeypatch):
+    calls = []
+    orig = recompute.LayerRunner.run
+
+    def counting(self, i, x, weights, args, cast=True):
+        calls.append((i, cast, {w.dtype for w in weights}))
+        return orig(self, i, x, weights, args, cast)
+
+    monkeypatch.setattr(recompute.LayerRunner, "run", counting)
+    cfg = _cfg_for("exact", **BOTH)
+    eng = Hopper(cfg, "cpu")
+    named = dict(eng.model.named_parameters())
+    layer_keys = [k for k in named if k.startswith("layers.")]
+    assert layer_keys and all(named[k].dtype == torch.float32 for k in layer_keys)
+    assert all(named[k].data_ptr() == eng.main[k].data_ptr() for k in layer_keys)  # the main weight itself
+    assert all(named[k].dtype == torch.bfloat16 for k in named if k not in layer_keys)
+    eng.train_step([torch.randint(0, 256, (2, 33)) for _ in range(2)])
+    n = cfg.model.num_layers
+    # per micro-batch: one forward per layer (casting fp32 weights), one recompute per layer (given bf16 copies)
+    assert [c[:2] for c in calls[:n]] == [(i, True) for i in range(n)]
+    assert sorted(c[:2] for c in calls[n:2 * n]) == [(i, False) for i in range(n)]
+    assert all(c[2] == {torch.float32} for c in calls if c[1]) and all(c[2] == {torch.bfloat16} for c in calls
+                                                                         if not c[1])
+    assert len(calls) == 4 * n
+
+
+def test_a_truncating_weight_cast_is_caught(monkeypatch):
+    """Round toward zero instead of to nearest: the bf16 working weights differ from the resident copy's."""
+    init = Hopper(_cfg_for("exact"), "cpu").export_hf_weights()
+    base = _train(_cfg_for("exact"), init)
+
+    def truncate(self, w):
+        w = w.detach()
+        if self.dtype is None:
+            return w
+        bits = w.float().contiguous().view(torch.int32) & -65536  # drop the low 16 bits: round toward zero
+        return bits.view(torch.float32).to(self.dtype)
+
+    monkeypatch.setattr(recompute.LayerRunner, "working_copy", truncate)
+    assert not _same(base, _train(_cfg_for("exact", **BOTH), init))
+
+
+def test_accumulating_on_the_first_micro_batch_is_caught(monkeypatch):
+    """A recompute that always adds into main_grad keeps the previous step's gradient: the run departs."""
+    init = Hopper(_cfg_for("fast"), "cpu").export_hf_weights()
+    base = _train(_cfg_for("fast"), init)
+    monkeypatch.setattr(recompute.LayerRunner, "begin_micro_batch", lambda self, first: setattr(self, "first", False))
+    got = _train(_cfg_for("fast", **BOTH), init)
+    assert got[0][0] == base[0][0] and not _same(base, got)  # step 1 starts from zeros: only later steps depart
+
+
+@pytest.mark.parametrize("engine,train,parallel,match", [
+    ({"recompute": "selective"}, {}, {}, "engine.recompute must be none|full"),
+    ({"bf16_weights": "offload"}, {}, {}, "engine.bf16_weights must be resident|per_layer"),
+    ({"bf16_weights": "per_layer"}, {}, {}, "needs engine.recompute=full"),
+    (BOTH, {"precision": "fp32"}, {}, "needs engine.recompute=full"),
+    (BOTH, {}, {"zero_stage": 1}, "needs engine.recompute=full"),
+])
+def test_bad_combinations_are_refused(engine, train, parallel, match):
+    c = _cfg_for("exact", **engine)
+    c = dataclasses.replace(c, train=dataclasses.replace(c.train, **train),
+                            parallel=dataclasses.replace(c.parallel, **parallel))
+    with pytest.raises(ConfigError, match=match):
+        validate(c, engine_cls=Hopper)
+
+
+def test_an_engine_without_recompute_refuses_it():
+    c = _cfg_for("exact", recompute="full")  # the default scenario's engine is the tiny CPU engine
+    c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, mode="exact"))
+    with pytest.raises(ConfigError, match="engine.recompute=full is not implemented by engine"):
+        validate(c)
