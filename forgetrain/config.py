@@ -431,7 +431,7 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
         raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
     if cfg.engine.bf16_weights not in ("resident", "per_layer"):
         raise ConfigError(f"engine.bf16_weights must be resident|per_layer, got '{cfg.engine.bf16_weights}'")
-    if cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full" or cfg.train.precision != "bf16"
+    if not reference and cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full" or cfg.train.precision != "bf16"
                                                     or cfg.parallel.data_parallel_size > 1
                                                     or cfg.parallel.zero_stage != 0):
         raise ConfigError("engine.bf16_weights=per_layer needs engine.recompute=full, train.precision=bf16 and one "

@@ -197,7 +197,8 @@ def refusal(est: MemoryEstimate, capacity: int) -> str | None:
     parts = ", ".join(f"{LABELS[k]} {v / GIB:.1f} GiB ({v / 1e9:.1f} GB)" for k, v in est.biggest(3))
     return (f"this config needs an estimated {est.total_gib:.1f} GiB per GPU (biggest parts: {parts}) but the "
             f"device has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; lower "
-            f"train.micro_batch_size, set engine.grad_accum_fusion=true (fast mode), shorten model.seq_length or "
+            f"train.micro_batch_size, set engine.grad_accum_fusion=true (fast mode), engine.recompute=full, "
+            f"engine.bf16_weights=per_layer (with recompute), shorten model.seq_length or "
             f"use fewer model.num_layers (forgetrain/memory.py has the estimate; train.skip_memory_check=true "
             f"runs anyway)")
 

@@ -438,6 +438,8 @@ def _loop(run: _Run, progress: bool) -> None:
             rec = {"step": step + 1, "loss": res.loss, "grad_norm": res.grad_norm, "lr": res.lr,
                    "tokens": (step + 1) * tokens_per_step, "step_s": step_s, "tokens_per_s": tps,
                    **mfu_metrics(cfg.model, tps, run.peak, devices)}
+            if device.type == "cuda":  # the peak of allocated device memory so far (torch's allocator), GiB
+                rec["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if t.digests:
                 dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
                 dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
@@ -468,6 +470,8 @@ def _loop(run: _Run, progress: bool) -> None:
                 if (step + 1) % t.log_interval == 0:
                     post = {"loss": f"{res.loss:.4f}", "gnorm": f"{res.grad_norm:.3f}", "lr": f"{res.lr:.2e}",
                             "tok/s": f"{tps:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
+                    if "mem_gib" in rec:
+                        post["mem"] = f"{rec['mem_gib']:.1f}G"
                     if run.val_loss is not None:
                         post["val"] = f"{run.val_loss:.4f}"
                     bar.set_postfix(post, refresh=False)

@@ -171,3 +171,26 @@ def test_cli_trains_when_it_fits_or_when_skipped(tmp_path):
     p = _cli("forgetrain", [*SHORT, f"train.out_dir={out2}", "train.skip_memory_check=true"], tmp_path, "2")
     assert p.returncode == 0, p.stderr[-2000:]
     assert (out2 / "trace" / "trace.jsonl").exists()
+
+
+def test_llama8b_h200_fits_with_headroom_and_needs_its_memory_layout(monkeypatch):
+    """The full-depth scenario (32 layers, seq 8192) fits a 139 GiB H200 by the estimate with at least 5 GiB
+    left (issue 18's goal); without per-layer bf16 weights, or without recompute, it is refused before any step."""
+    from forgetrain.metrics import param_counts
+
+    cfg = _compose(["scenario=llama8b_h200"])
+    m = cfg.model
+    assert (m.num_layers, m.seq_length, cfg.engine.recompute, cfg.engine.bf16_weights) == (32, 8192, "full",
+                                                                                           "per_layer")
+    e = estimate(cfg)
+    n = param_counts(m)["total"]
+    n_layer = (n - 2 * m.vocab_size * m.hidden_size - m.hidden_size) // m.num_layers
+    assert e.model_weights == 2 * (n - m.num_layers * n_layer) + 2 * n_layer  # embedding, head, one layer
+    assert e.activations < 4 * GIB  # saved layer inputs (2 GiB) + one layer recomputed + the final norm's
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "139")
+    memory.check(cfg)
+    assert 139 * GIB - e.total_bytes >= 5 * GIB
+    for off in ({"bf16_weights": "resident"}, {"recompute": "none", "bf16_weights": "resident"}):
+        bad = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **off))
+        with pytest.raises(ConfigError, match="engine.bf16_weights=per_layer"):
+            memory.check(bad)

@@ -142,3 +142,12 @@ def test_an_engine_without_recompute_refuses_it():
     c = dataclasses.replace(c, engine=dataclasses.replace(c.engine, mode="exact"))
     with pytest.raises(ConfigError, match="engine.recompute=full is not implemented by engine"):
         validate(c)
+
+
+def test_a_reference_run_ignores_the_candidate_memory_layout():
+    """The tolerance tier's fp32 oracle is a reference run of the candidate's config at fp32: engine.* options do
+    not apply to a reference, so per-layer weights must not refuse it."""
+    c = _cfg_for("exact", precision="fp32", **BOTH)
+    validate(c, reference=True)
+    with pytest.raises(ConfigError, match="needs engine.recompute=full"):
+        validate(c, engine_cls=Hopper)

@@ -46,9 +46,10 @@ def test_every_scenario_file_composes_names_itself_and_resolves_its_engine(name)
 
 def test_scenarios_share_the_hopper_engine_without_packages():
     hopper = registry.resolve_engine("scenarios.llama1b_h200.engine:Engine")
-    for name in ("llama1b_h200", "llama3b_h200", "llama8b_h100"):
+    for name in ("llama1b_h200", "llama3b_h200", "llama8b_h100", "llama8b_h200"):
         assert registry.resolve_engine(_run_config([f"scenario={name}"]).scenario.engine) is hopper
-    assert not (ROOT / "scenarios" / "llama8b_h100").exists() and not (ROOT / "scenarios" / "llama3b_h200").exists()
+    for name in ("llama8b_h100", "llama3b_h200", "llama8b_h200"):
+        assert not (ROOT / "scenarios" / name).exists()
     # composition, not a chain: the Hopper engine subclasses no other engine
     assert hopper.__mro__ == (hopper, object)
 
@@ -117,3 +118,29 @@ def test_llama3b_engine_builds_and_trains_at_a_tiny_shape_on_cpu(mode):
     assert last.loss < first.loss - 0.1, (first.loss, last.loss)
     assert sorted(engine.export_hf_weights()) == sorted(registry.resolve_engine(
         "scenarios.llama_tiny_cpu.engine:Engine")(rc, torch.device("cpu")).export_hf_weights())
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_llama8b_h200_memory_layout_trains_at_a_tiny_shape_on_cpu(mode):
+    """The full-depth 8B scenario's own switches (recompute, per-layer bf16 weights, gradient accumulation fusion)
+    at a tiny bf16 shape: the layers hold fp32 weights only, and the loss falls."""
+    over = ["scenario=llama8b_h200", *TINY, "train.precision=bf16", f"engine.mode={mode}",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=2", "train.lr_warmup_steps=0",
+            f"engine.grad_accum_fusion={mode == 'fast'}"]  # exact mode keeps Megatron's bf16 .grad (no fusion)
+    _check_job("config", over)
+    rc = _run_config(over)
+    assert (rc.engine.recompute, rc.engine.bf16_weights) == ("full", "per_layer")
+    engine = registry.resolve_engine(rc.scenario.engine)(rc, torch.device("cpu"))
+    assert {p.dtype for n, p in engine.model.named_parameters() if n.startswith("layers.")} == {torch.float32}
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, rc.model.vocab_size, (2, rc.model.seq_length + 1), generator=g) for _ in range(2)]
+    first = engine.train_step(mbs)
+    for _ in range(5):
+        last = engine.train_step(mbs)
+    assert last.loss < first.loss - 0.1, (first.loss, last.loss)
+
+
+def test_llama8b_h200_refuses_fp32_with_one_line():
+    with pytest.raises(ConfigError, match="engine.bf16_weights=per_layer needs engine.recompute=full, "
+                                          "train.precision=bf16"):
+        _check_job("config", ["scenario=llama8b_h200", *TINY])

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Device call 16 (one H200): the llama8b_h200 scenario (issue 18), full-depth Llama-3-8B on one GPU with
+# engine.recompute=full, engine.bf16_weights=per_layer and gradient accumulation fusion. One part per call:
+#   PART=a  equivalence at a depth Megatron-core fits (8B width, 2 layers, seq 2048, micro-batch 1 x grad-accum 2):
+#           exact mode with the scenario's memory layout at the bitwise tier (deterministic), then the fast default
+#           at the tolerance tier (stricter than every fast optimisation's declared tier). About 4 min.
+#   PART=b  the real run: full depth (32 layers, seq 8192), 120 steps on the embedded Shakespeare text at global
+#           batch 1, no checkpoint (the fp32 state is 96 GB on a 64 GB disk); the loss must fall; peak memory is in
+#           every trace record (mem_gib). About 5 min with compilation.
+#   PART=c  python -m forgetrain.bench scenario=llama8b_h200 at global batch 8 (grad-accum 8) and one micro-batch,
+#           A-B-A beside torchtitan (FSDP2 on one rank, full activation checkpointing: engine.recompute=full);
+#           needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). About 8 min.
+#   run: PART=a bash scripts/device/call16_llama8b_h200.sh   (carry [".whl"]; PART=c carries [".whl", ".whl_sides"])
+set -u
+. scripts/device/setup.sh
+S="scenario=llama8b_h200 hardware=h200 parallel.timeout_s=60"
+SMALL="model.num_layers=2 model.seq_length=2048 train.micro_batch_size=1 train.global_batch_size=2 \
+train.lr_warmup_steps=2"
+case "${PART:-a}" in
+a)
+  echo "$(ts) == exact mode, per-layer bf16 weights + recompute: bitwise vs Megatron-core ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
+    engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
+    verify.steps=6 verify.out_dir=/tmp/v16a 2>&1 | filt 6
+  cp /tmp/v16a/verdict.json $OUT/call16_exact_bitwise_verdict.json 2>/dev/null
+  echo "$(ts) == fast default (scenario switches): tolerance vs Megatron-core ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL train.deterministic=true tier=tolerance verify.steps=8 \
+    verify.out_dir=/tmp/v16t 2>&1 | filt 6
+  cp /tmp/v16t/verdict.json $OUT/call16_fast_tolerance_verdict.json 2>/dev/null
+  ;;
+b)
+  echo "$(ts) == full depth, 120 steps ($(left) s left)"
+  timeout $(left) python3 -m forgetrain $S train.steps=120 train.global_batch_size=1 train.lr_warmup_steps=10 \
+    train.save=false train.log_interval=10 train.out_dir=/tmp/r16 2>&1 | filt 8
+  cp /tmp/r16/trace/trace.jsonl $OUT/call16_full_depth_trace.jsonl 2>/dev/null
+  python3 - <<'PY'
+import json
+recs = [json.loads(l) for l in open("/tmp/r16/trace/trace.jsonl")]
+if recs:
+    first, last = recs[0], recs[-1]
+    tail = sorted(r["step_s"] for r in recs[-20:])
+    print(f"steps {len(recs)}  loss {first['loss']:.3f} -> {last['loss']:.3f}  peak mem_gib "
+          f"{max(r.get('mem_gib', 0) for r in recs):.1f}  median step_s (last 20) {tail[len(tail)//2]:.3f}  "
+          f"mfu_pct {last['mfu_pct']:.1f}  mfu_causal_pct {last['mfu_causal_pct']:.1f}")
+PY
+  ;;
+c)
+  echo "$(ts) == bench: forged vs torchtitan, GBS 8 + one micro-batch ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[torchtitan]" bench.steps=4 bench.warmup=2 \
+    bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
+  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs8.json 2>/dev/null
+  ;;
+esac
+echo "$(ts) done"
