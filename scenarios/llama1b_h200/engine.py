@@ -143,8 +143,10 @@ class Engine:
 
     @property
     def bench_info(self) -> dict:
-        """What ``forgetrain.bench`` records about this engine: the gradient-accumulation path (None: unfused)."""
-        return {"grad_accum_fusion": self.grad_accum_path}
+        """What ``forgetrain.bench`` records about this engine: the gradient-accumulation path (None: unfused), the
+        activation recompute and where the layers' bf16 weights live."""
+        return {"grad_accum_fusion": self.grad_accum_path, "recompute": self.opts.recompute,
+                "bf16_weights": self.opts.bf16_weights if self.bf16 else None}
 
     def _setup_dp_buffer(self) -> None:
         """DP > 1: ``main_grad[k]`` become views of one flat fp32 buffer in Megatron DDP's layout (reverse
