@@ -5,6 +5,16 @@ gate/up/down), batch-first activations, ``F.scaled_dot_product_attention`` (caus
 fp32 weights under ``torch.autocast(bfloat16)``, ``F.cross_entropy`` on full logits, ``torch.optim.AdamW``
 (fused on CUDA), and ``torch.compile`` of the whole model. It is a baseline for ``forgetrain.bench``
 (``bench.against=[torch_compile]``), not a golden reference: it is never used for bitwise or tolerance gates.
+
+``engine.recompute=full``: full activation checkpointing, one decoder block per checkpoint, written the way a
+PyTorch user writes it: ``torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)`` for every
+block while autograd is on (train steps; ``eval_loss`` and ``logits`` run without grad and store nothing anyway).
+Each block keeps only its input ``x`` ``[b, s, h]`` (fp32: the residual stream under autocast) and runs its forward
+again in the backward; the autocast state of the forward is replayed there. Under ``torch.compile`` the
+checkpointed regions are traced as such and the compiler's partitioner recomputes them. Recompute repeats the same
+ops on the same inputs, so in eager mode (CPU) losses, gradients and weights are bitwise those of
+``recompute=none`` (``tests/test_baseline_recompute.py``). ``engine.bf16_weights`` is the forged engine's switch:
+this baseline keeps its fp32 weights either way. ``bench_info`` says which mode ran.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from forgetrain.engine import StepResult
 from forgetrain.schedule import lr_for_step
@@ -52,9 +63,9 @@ class _Block(nn.Module):
 
 
 class _Llama(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, recompute: bool = False):
         super().__init__()
-        self.c = c
+        self.c, self.recompute = c, recompute
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
@@ -70,8 +81,9 @@ class _Llama(nn.Module):
         s = ids.shape[1]
         x = self.embed_tokens(ids)
         cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
+        ckpt = self.recompute and torch.is_grad_enabled()  # engine.recompute=full: one block per checkpoint
         for blk in self.layers:
-            x = blk(x, cos, sin)
+            x = checkpoint(blk, x, cos, sin, use_reentrant=False) if ckpt else blk(x, cos, sin)
         logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.c.norm_epsilon))
         if labels is None:
             return logits
@@ -82,17 +94,20 @@ class Engine:
     """Benchmark baseline implementing forgetrain.engine.TrainEngine (no module probes, no digests)."""
 
     bench_only = True  # verify refuses it: no per-token losses to judge
+    supports_recompute = True  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
 
     def __init__(self, cfg, device):
+        from forgetrain.errors import ConfigError
+
         p = cfg.parallel
         if p.data_parallel_size * p.tensor_parallel_size > 1:
-            from forgetrain.errors import ConfigError
-
             raise ConfigError("references/torch_compile is a single-device baseline (no gradient reduction); "
                               "bench it with parallel=single, or against megatron / deepspeed under torchrun")
+        if cfg.engine.recompute not in ("none", "full"):
+            raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
         self.cfg, self.device, self.t = cfg, torch.device(device), cfg.train
         with torch.device(self.device):
-            self.model = _Llama(cfg.model)
+            self.model = _Llama(cfg.model, recompute=cfg.engine.recompute == "full")
         g = torch.Generator(device=self.device).manual_seed(self.t.seed)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
@@ -107,6 +122,12 @@ class Engine:
                                      fused=fused)
         self.fwd = torch.compile(self.model) if self.device.type == "cuda" else self.model
         self.steps = 0
+
+    @property
+    def bench_info(self) -> dict:
+        """What ``forgetrain.bench`` records under "engine_info": ``recompute`` is "full" when every block runs
+        under ``torch.utils.checkpoint`` in the train step, else "none"."""
+        return {"recompute": "full" if self.model.recompute else "none"}
 
     def _ac(self):
         if self.t.precision == "bf16":
@@ -135,7 +156,9 @@ class Engine:
                 p.copy_(state[k])
 
     def export_hf_weights(self):
-        return {k: v.detach().float().cpu() for k, v in self._hf_map().items()}
+        """fp32 HF-layout weights on CPU: copies, also on CPU (``.float().cpu()`` of an fp32 CPU parameter would be
+        the live parameter itself, which later steps overwrite)."""
+        return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self._hf_map().items()}
 
     def export_hf_grads(self):
         return {k: v.grad.detach().float().cpu() for k, v in self._hf_map().items()}

@@ -7,7 +7,11 @@ Everything numeric is torchtitan's code, assembled the way its ``llama3`` model 
   ``Linear``), ``ComplexRoPE`` with ``scaling="none"`` and ``theta = model.rotary_base``, and
   ``ScaledDotProductAttention`` (causal) as the inner attention. Initialisation is torchtitan's llama3 recipe
   (``init_states``; README.md, "Initialisation");
-* it is wrapped the way ``parallelize_llama`` wraps a dense model without TP/CP/PP: per-block ``torch.compile``
+* it is wrapped the way ``parallelize_llama`` wraps a dense model without TP/CP/PP, in its order: activation
+  checkpointing when ``engine.recompute=full`` (torchtitan's ``FullAC`` policy, the ``full`` choice of its
+  ``Trainer.Config.activation_checkpoint``, whose default is ``SelectiveAC``: every decoder block wrapped by
+  PyTorch's non-reentrant ``checkpoint_wrapper``, so each block keeps only its input ``[b, s, h]`` and runs its
+  forward again in the backward), then per-block ``torch.compile``
   (``apply_compile``) when ``engine.compile`` is set on CUDA, then FSDP2 over a one-axis data-parallel mesh
   (``apply_fsdp_to_decoder`` with a ``MixedPrecisionPolicy``: param dtype bf16 under ``train.precision=bf16``,
   fp32 reductions). torchtitan always applies FSDP2, also on one device, which is also its only mixed-precision
@@ -18,6 +22,12 @@ Everything numeric is torchtitan's code, assembled the way its ``llama3`` model 
 * the optimizer is torchtitan's ``OptimizersContainer`` with torch ``AdamW`` and two ``ParamGroupConfig`` entries
   (RMSNorm weights without weight decay, everything else with ``train.weight_decay``: Megatron's grouping;
   torchtitan's own ``default_adamw`` decays every parameter).
+
+Recompute repeats the same ops on the same inputs: on CPU (eager) every loss, gradient and weight is bitwise that of
+``recompute=none`` (``tests/test_baseline_recompute.py``). The wrapper adds ``_checkpoint_wrapped_module`` to the
+module path; parameters are named by torchtitan's ``canonical_fqn`` (the path without it), so weights, checkpoints
+and optimizer state are the same with and without recompute. ``engine.bf16_weights`` is the forged engine's switch:
+FSDP2's mixed-precision policy casts weights per block here either way. ``bench_info`` says which mode ran.
 
 The one piece written here is the learning rate: each update uses ``forgetrain.schedule.lr_for_step`` (Megatron
 semantics), not torchtitan's ``LRSchedulersContainer`` (README.md, "Learning rate").
@@ -114,6 +124,7 @@ class Engine:
     """
 
     extra = ("torchtitan", ("torchtitan",))  # the optional install it needs (forgetrain.extras)
+    supports_recompute = True  # engine.recompute=full: torchtitan's FullAC (module doc)
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         import torch.distributed as dist
@@ -124,6 +135,8 @@ class Engine:
         m, t, p = cfg.model, cfg.train, cfg.parallel
         if t.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be fp32 or bf16, got {t.precision!r}")
+        if cfg.engine.recompute not in ("none", "full"):
+            raise ValueError(f"engine.recompute must be none|full, got {cfg.engine.recompute!r}")
         if p.tensor_parallel_size != 1 or p.pipeline_parallel_size != 1 or p.context_parallel_size != 1:
             raise ValueError("the torchtitan reference runs data parallelism (FSDP2) only: TP = PP = CP = 1 "
                              "(torchtitan's TP/CP/PP wrappers are not wired in yet)")
@@ -151,13 +164,19 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     def _parallelize(self, model):
-        """``parallelize_llama``'s dense data-parallel path (no TP/CP/PP/AC): compile, then FSDP2.
+        """``parallelize_llama``'s dense data-parallel path (no TP/CP/PP), in its order: activation checkpointing
+        (``engine.recompute=full``: torchtitan's ``FullAC`` over every block, as ``ac_config.build().apply``),
+        then compile, then FSDP2.
 
         Composed from the same torchtitan functions that ``parallelize_llama`` calls, because its
         ``ParallelDims`` builds meshes on ``torchtitan.tools.utils.device_type``, which is ``"cuda"`` on a machine
         without an accelerator."""
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
+        if self.cfg.engine.recompute == "full":
+            from torchtitan.distributed.activation_checkpoint import FullAC
+
+            FullAC.Config().build(dump_folder="").apply(model)
         if self.cfg.engine.compile and self.device.type == "cuda":
             from torchtitan.config import CompileConfig
             from torchtitan.distributed import ParallelDims
@@ -222,8 +241,21 @@ class Engine:
                 for i, blk in self.model.layers.items()}
 
     def _params_tt(self) -> dict[str, torch.nn.Parameter]:
-        """torchtitan FQNs -> parameters (FSDP2-sharded DTensors)."""
-        return dict(self.model.named_parameters())
+        """torchtitan FQNs -> parameters (FSDP2-sharded DTensors). FQNs are torchtitan's ``canonical_fqn``: without
+        the activation-checkpoint wrapper's ``_checkpoint_wrapped_module`` segment, the same with and without
+        recompute (what torchtitan's optimizer and checkpointer key their state by)."""
+        from torchtitan.components.checkpointer.utils import canonical_fqn
+
+        return {canonical_fqn(n): q for n, q in self.model.named_parameters()}
+
+    @property
+    def bench_info(self) -> dict:
+        """What ``forgetrain.bench`` records under "engine_info": ``recompute`` is "full" when every decoder block
+        is wrapped by the activation-checkpoint wrapper, "none" when none is (read from the model itself)."""
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        wrapped = [isinstance(b, CheckpointWrapper) for b in self.model.layers.values()]
+        return {"recompute": "full" if all(wrapped) else "none" if not any(wrapped) else "partial"}
 
     def _to_neutral(self, tt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """torchtitan-FQN full tensors (fused ``wqkv``) -> neutral HF layout, through torchtitan's split hook and
@@ -234,7 +266,8 @@ class Engine:
         for prefix, mod in self._qkv_modules().items():
             FusedQKVLinear._split_qkv_on_save(mod, sd, prefix, None)
         hf = self.adapter.to_hf(sd)
-        return {n: hf[n].detach().float().cpu().contiguous() for n in self._names}
+        # copies: on CPU at DP=1 ``.float().cpu()`` of an unpermuted tensor is the live parameter itself
+        return {n: hf[n].detach().to("cpu", torch.float32, copy=True).contiguous() for n in self._names}
 
     def _from_neutral(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Neutral HF layout -> torchtitan-FQN full tensors (``from_hf`` then ``_merge_qkv_on_load``)."""
