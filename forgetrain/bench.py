@@ -477,6 +477,18 @@ def _check_bench(b: BenchConfig) -> None:
         raise ConfigError(f"bench.interleave must be auto|always|never, got '{b.interleave}'")
 
 
+def recompute_warnings(rc, against: list) -> list[str]:
+    """One ``warning:`` line per side in ``against`` whose engine has no activation recompute
+    (``supports_recompute``) while ``engine.recompute`` asks for it: that side stores its activations."""
+    from forgetrain import registry
+
+    if rc.engine.recompute == "none":
+        return []
+    return [f"warning: bench side '{n}' has no activation recompute; it runs with its activations stored "
+            f"(engine.recompute={rc.engine.recompute} applies to the forged engine and the sides that implement it)"
+            for n in against if not getattr(registry.load_engine_class("references", n), "supports_recompute", False)]
+
+
 def bench_task(cfg) -> None:
     from omegaconf import OmegaConf
 
@@ -489,6 +501,8 @@ def bench_task(cfg) -> None:
     from forgetrain.config import validate
 
     validate(rc, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    for line in recompute_warnings(rc, b.against):
+        print(line, file=sys.stderr)
     from forgetrain.distributed import collective_errors, init_distributed
 
     env = init_distributed(rc.parallel)

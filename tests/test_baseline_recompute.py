@@ -201,3 +201,19 @@ def test_bench_records_recompute_for_both_baselines(tmp_path):
     assert {r["side"] for r in res["rows"]} == {"forged", "torch_compile", "torchtitan"}
     assert res["engine_info"]["torch_compile"] == {"recompute": "full"}
     assert res["engine_info"]["torchtitan"] == {"recompute": "full"}
+
+
+def test_bench_warns_for_a_side_without_recompute():
+    """Megatron-core's local-spec reference has no activation recompute: under engine.recompute=full the bench says
+    so in one warning line per such side; sides that implement it, and recompute=none, warn nothing."""
+    import dataclasses
+
+    from forgetrain.bench import recompute_warnings
+    from forgetrain.config import EngineOptions
+    from tests.test_ladder import _cfg
+
+    rc = _cfg()
+    on = dataclasses.replace(rc, engine=EngineOptions(recompute="full"))
+    lines = recompute_warnings(on, ["megatron", "torch_compile", "torchtitan"])
+    assert len(lines) == 1 and lines[0].startswith("warning: bench side 'megatron' has no activation recompute")
+    assert recompute_warnings(rc, ["megatron"]) == []

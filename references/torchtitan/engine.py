@@ -391,17 +391,21 @@ class Engine:
 
             dist.all_reduce(global_valid_tokens, op=dist.ReduceOp.SUM)
         accumulated, per_token = None, []
+        keep = self._keep_grads()  # the per-token losses feed digests only: not in a timed CUDA step
         for mb in mbs:
             tokens, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
             pred = self.model(tokens)  # [b, s, V]
             loss, _ = self.loss_fn(pred, labels, global_valid_tokens)
+            if not keep:
+                del pred  # torchtitan's trainer keeps no logits through the backward
             loss.backward()
             loss = loss.detach()
             accumulated = loss.clone() if accumulated is None else accumulated.add_(loss)
-            with torch.no_grad():
-                per_token.append(F.cross_entropy(pred.detach().float().flatten(0, 1), labels.flatten(0, 1),
-                                                 reduction="none").view(labels.shape))
-            del pred
+            if keep:
+                with torch.no_grad():
+                    per_token.append(F.cross_entropy(pred.detach().float().flatten(0, 1), labels.flatten(0, 1),
+                                                     reduction="none").view(labels.shape))
+                del pred
         params = list(self.model.parameters())
         named = self._params_tt()
         self._last_grads = ({n: self._full(q.grad.detach()).float().clone() for n, q in named.items()}
@@ -422,7 +426,7 @@ class Engine:
             else:  # this rank's own token mean (torchtitan's local_avg_loss)
                 accumulated = accumulated * global_valid_tokens / local_tokens
         return StepResult(loss=float(accumulated.item()), grad_norm=float(self._full(grad_norm).item()), lr=lr,
-                          per_token_loss=torch.stack(per_token).float().cpu())
+                          per_token_loss=torch.stack(per_token).float().cpu() if per_token else None)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
