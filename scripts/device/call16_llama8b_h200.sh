@@ -8,8 +8,10 @@
 #           batch 1, no checkpoint (the fp32 state is 96 GB on a 64 GB disk); the loss must fall; peak memory is in
 #           every trace record (mem_gib). About 5 min with compilation.
 #   PART=c  python -m forgetrain.bench scenario=llama8b_h200 at global batch 8 (grad-accum 8) and one micro-batch,
-#           A-B-A beside torchtitan (FSDP2 on one rank, full activation checkpointing: engine.recompute=full);
-#           needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). About 8 min.
+#           A-B-A beside torchtitan (FSDP2 on one rank, its own full activation checkpointing under
+#           engine.recompute=full); needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). About 8 min.
+#   PART=d  the same beside torch.compile (fp32 weights under autocast, fused AdamW, every block checkpointed).
+#           A side that runs out of memory is reported as such by the bench (the answer "none fits" is a result).
 #   run: PART=a bash scripts/device/call16_llama8b_h200.sh   (carry [".whl"]; PART=c carries [".whl", ".whl_sides"])
 set -u
 . scripts/device/setup.sh
@@ -44,11 +46,12 @@ if recs:
           f"mfu_pct {last['mfu_pct']:.1f}  mfu_causal_pct {last['mfu_causal_pct']:.1f}")
 PY
   ;;
-c)
-  echo "$(ts) == bench: forged vs torchtitan, GBS 8 + one micro-batch ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[torchtitan]" bench.steps=4 bench.warmup=2 \
+c|d)
+  [ "$PART" = c ] && side=torchtitan || side=torch_compile
+  echo "$(ts) == bench: forged vs $side, GBS 8 + one micro-batch ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.steps=4 bench.warmup=2 \
     bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
-  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs8.json 2>/dev/null
+  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs8_$side.json 2>/dev/null
   ;;
 esac
 echo "$(ts) done"
