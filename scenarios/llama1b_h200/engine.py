@@ -1,5 +1,5 @@
-"""Forged engine for Llama on Hopper: the scenarios ``llama1b_h200``, ``llama3b_h200`` and ``llama8b_h100`` all
-name it (``scenario.engine: scenarios.llama1b_h200.engine:Engine``); only the model shape differs.
+"""Forged engine for Llama on Hopper: the scenarios ``llama1b_h200``, ``llama3b_h200``, ``llama8b_h100`` and
+``llama8b_h200`` all name it (``scenario.engine: scenarios.llama1b_h200.engine:Engine``); only the model shape differs.
 
 It composes the shared Llama parts of ``scenarios/_llama`` (the exact model, ``ParallelState`` and the flat grad
 buffer, the optimizer arithmetic, the weight layouts) with its own fast model (``fast.py``) and gradient
@@ -17,6 +17,11 @@ Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier i
   ``torch.compile`` per block, fused AdamW (``kernels.adamw=fused``), foreach grad norm with one host sync.
   Target: **loss-curve**, then **surpass**. ``engine.grad_accum_fusion=true`` (fast mode only) sends the weight
   gradients of the linear layers, LM head and embedding straight into the fp32 ``main_grad`` (``wgrad.py``).
+
+Memory layout (both modes, declared bitwise): ``engine.recompute=full`` reruns each decoder layer's forward in the
+backward instead of storing its activations; with it, ``engine.bf16_weights=per_layer`` keeps no bf16 copy of the
+layers between steps (their parameters are the fp32 main weights; ``scenarios/_llama/recompute.py``). The
+``llama8b_h200`` scenario needs both to fit full-depth Llama-3-8B on one H200.
 
 Data parallelism (``parallel.data_parallel_size > 1``, under torchrun): the fp32 ``main_grad`` tensors are views
 of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration order, one
