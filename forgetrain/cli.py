@@ -174,7 +174,7 @@ def _check_job(config_name: str, overrides: list[str]) -> str | None:
     scenario = str(obj.get("scenario", {}).get("name"))
     check_scenario_choice(scenario, choices.get("scenario"))
     check_model_choice(str(obj.get("model", {}).get("name")), choices.get("model"), scenario)
-    if config_name in ("verify", "bench"):  # the command's own request (tier, references, steps...)
+    if config_name in ("verify", "bench", "forge"):  # the command's own request (tier, references, kernel...)
         importlib.import_module(f"forgetrain.{config_name}").check_request(obj)
     for extra in ("verify", "bench"):  # their own output directories, checked like train.out_dir
         check_out_dir(f"{extra}.out_dir", (obj.get(extra) or {}).get("out_dir"))

@@ -56,8 +56,8 @@ bf16 grads that in fact appear only as the backward frees activations.
 **Calibration:** ``docs/design.md`` ("Memory estimate") compares the estimate with every peak measured on the H200
 (``max_memory_allocated``): within about 10% on each row (+10.1% at most).
 
-**The check** (:func:`check`): on CUDA, or when ``FORGETRAIN_FAKE_DEVICE_GIB`` is set, a config whose estimate
-exceeds the device's total memory less :data:`RESERVE_BYTES` raises one-line ``ConfigError``;
+**The check** (:func:`check`): a config whose estimate exceeds the device's total memory (on CPU: the host's
+physical memory) less :data:`RESERVE_BYTES` raises one-line ``ConfigError``;
 ``train.skip_memory_check=true`` skips it. ``FORGETRAIN_FAKE_DEVICE_GIB=<GiB>`` (read only by :func:`check`)
 stands in for the device's capacity, so the refusal can be tested on a machine without a GPU.
 """
@@ -171,7 +171,8 @@ def estimate(cfg) -> MemoryEstimate:
 
 def device_capacity_bytes(cfg) -> int | None:
     """The capacity :func:`check` compares against: ``FORGETRAIN_FAKE_DEVICE_GIB`` GiB when set, else the CUDA
-    device's ``total_memory`` when ``hardware.device=cuda``, else None (nothing to check). Raises ConfigError for a
+    device's ``total_memory`` when ``hardware.device=cuda``, the host's physical memory when ``hardware.device=cpu``
+    (:func:`host_memory_bytes`), else None (nothing to check). Raises ConfigError for a
     fake capacity that is not a positive number."""
     fake = os.environ.get(FAKE_DEVICE_ENV)
     if fake:
@@ -182,6 +183,8 @@ def device_capacity_bytes(cfg) -> int | None:
         if not (math.isfinite(gib) and gib > 0):
             raise ConfigError(f"{FAKE_DEVICE_ENV} must be a positive number of GiB, got '{fake}'")
         return int(gib * GIB)
+    if cfg.hardware.device == "cpu":
+        return host_memory_bytes()
     if cfg.hardware.device != "cuda":
         return None
     import torch
@@ -189,14 +192,26 @@ def device_capacity_bytes(cfg) -> int | None:
     return int(torch.cuda.get_device_properties(0).total_memory)
 
 
-def refusal(est: MemoryEstimate, capacity: int) -> str | None:
-    """The one-line refusal when ``est`` exceeds ``capacity`` (bytes) less :data:`RESERVE_BYTES`, else None."""
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory in bytes (``sysconf``), or None where the platform does not say. On CPU the
+    estimate is checked against it: a model far too large for the machine is refused in one line instead of being
+    killed by the kernel's out-of-memory killer minutes later."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def refusal(est: MemoryEstimate, capacity: int, where: str = "device") -> str | None:
+    """The one-line refusal when ``est`` exceeds ``capacity`` (bytes) of ``where`` (the device, or the host's
+    memory on CPU) less :data:`RESERVE_BYTES`, else None."""
     usable = capacity - RESERVE_BYTES
     if est.total_bytes <= usable:
         return None
     parts = ", ".join(f"{LABELS[k]} {v / GIB:.1f} GiB ({v / 1e9:.1f} GB)" for k, v in est.biggest(3))
-    return (f"this config needs an estimated {est.total_gib:.1f} GiB per GPU (biggest parts: {parts}) but the "
-            f"device has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; lower "
+    per = "per GPU" if where == "device" else "on this machine"
+    return (f"this config needs an estimated {est.total_gib:.1f} GiB {per} (biggest parts: {parts}) but the "
+            f"{where} has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; lower "
             f"train.micro_batch_size, set engine.grad_accum_fusion=true (fast mode), engine.recompute=full, "
             f"engine.bf16_weights=per_layer (with recompute), shorten model.seq_length or "
             f"use fewer model.num_layers (forgetrain/memory.py has the estimate; train.skip_memory_check=true "
@@ -206,12 +221,13 @@ def refusal(est: MemoryEstimate, capacity: int) -> str | None:
 def check(cfg) -> None:
     """Refuse ``cfg`` before any engine is built when its :func:`estimate` cannot fit the device (module doc).
     Raises ConfigError with one line: the estimate, its three biggest parts, the capacity and what to change.
-    Nothing happens on CPU (unless ``FORGETRAIN_FAKE_DEVICE_GIB`` is set) or with ``train.skip_memory_check``."""
+    On CPU the capacity is the host's memory. Nothing happens with ``train.skip_memory_check``."""
     if cfg.train.skip_memory_check:
         return
     capacity = device_capacity_bytes(cfg)
     if capacity is None:
         return
-    line = refusal(estimate(cfg), capacity)
+    host = cfg.hardware.device == "cpu" and not os.environ.get(FAKE_DEVICE_ENV)
+    line = refusal(estimate(cfg), capacity, "host memory" if host else "device")
     if line:
         raise ConfigError(line)

@@ -401,7 +401,8 @@ def _open_sinks(run: _Run) -> None:
     if env.rank == 0:
         n = param_counts(cfg.model)
         dp, ga = run.dp, run.ga
-        print(f"forgetrain: {kind}/{name} | {n['total'] / 1e6:.2f}M params | DP{dp} TP{p.tensor_parallel_size} | "
+        who = f"scenario {name}, engine {cfg.scenario.engine}" if kind == "scenarios" else f"{kind}/{name}"
+        print(f"forgetrain: {who} | {n['total'] / 1e6:.2f}M params | DP{dp} TP{p.tensor_parallel_size} | "
               f"micro-batch {t.micro_batch_size} x grad-accum {ga} x DP {dp} = global batch {t.global_batch_size} | "
               f"{t.precision} on {run.device} | out: {out}", file=sys.stderr)
 

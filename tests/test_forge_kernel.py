@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,9 +146,14 @@ def test_bad_kernel_target_is_refused(tmp_path, kernel, scenario, match):
 
 
 def test_cli_kernel_target_bad_input_is_one_line(tmp_path):
+    """Refused before Hydra starts: nothing is written, not even Hydra's run directory under the working dir."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "kernel=nope", "forge.max_rounds=0",
-                        f"forge.out_dir={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        f"forge.out_dir={tmp_path / 'o'}"], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=300)
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert lines[-1].startswith("error: unknown kernel 'nope'"), lines[-1]
-    assert not (tmp_path / "o").exists()
+    assert lines == [lines[-1]] and lines[-1].startswith("error: unknown kernel 'nope'"), lines
+    assert not (tmp_path / "o").exists() and list(cwd.iterdir()) == []

@@ -117,11 +117,20 @@ def test_llama3_8b_full_depth_refused_on_h200(monkeypatch):
     memory.check(cfg)
 
 
-def test_cpu_is_not_checked(monkeypatch):
+def test_cpu_is_checked_against_host_memory(monkeypatch):
+    """On CPU the capacity is the host's memory: full-depth 8B on a 24 GiB machine is refused in one line (before,
+    it was started and killed by the kernel's out-of-memory killer after minutes, with no message)."""
     monkeypatch.delenv(memory.FAKE_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 24 * GIB)
     cfg = _compose([*LLAMA3_8B, "hardware=cpu", "kernels.adamw=torch"])  # torch's fused AdamW is CUDA-only
-    assert memory.device_capacity_bytes(cfg) is None
-    validate(cfg)  # the 8B estimate exceeds any GPU, but on CPU nothing is checked
+    assert memory.device_capacity_bytes(cfg) == 24 * GIB
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    msg = str(exc.value)
+    assert "\n" not in msg and "on this machine" in msg and "the host memory has 24.0 GiB" in msg
+    validate(_compose(["hardware=cpu"]))  # the default tiny scenario passes
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: None)  # a platform that does not say: no check
+    validate(cfg)
 
 
 @pytest.mark.parametrize("bad", ["0", "-3", "lots", "nan"])

@@ -475,7 +475,7 @@ def _worker_pid(launcher: subprocess.Popen, deadline: float) -> int:
 def _wait_for_training(logs: list[Path], deadline: float) -> None:
     """Until rank 0 (on either launcher) has printed its run header."""
     while time.time() < deadline:
-        if any("forgetrain: scenarios/llama_tiny_cpu" in log.read_text() for log in logs):
+        if any("forgetrain: scenario llama_tiny_cpu, engine " in log.read_text() for log in logs):
             return
         time.sleep(0.3)
     raise AssertionError("training never started:\n" + "\n".join(log.read_text()[-2000:] for log in logs))
@@ -539,7 +539,7 @@ def test_cli_torchrun_dp2_then_resume_at_dp1(cache, tmp_path):
     p = torchrun(["-m", "forgetrain", "parallel=dp2", "train.stop_after=3", *args], _env(cache))
     dp2_s = time.perf_counter() - t0
     assert p.returncode == 0, _errors(p)
-    assert p.stderr.count("forgetrain: scenarios/llama_tiny_cpu") == 1  # only rank 0 reports
+    assert p.stderr.count("forgetrain: scenario llama_tiny_cpu, engine ") == 1  # only rank 0 reports
     assert "DP2 TP1" in p.stderr
     assert sorted(x.name for x in (out / "checkpoints" / "step_000003").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]

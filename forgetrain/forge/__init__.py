@@ -82,6 +82,16 @@ def register() -> None:
     ConfigStore.instance().store(name="forge_schema", node=ForgeRunConfig)
 
 
+def check_request(obj: dict) -> None:
+    """The forge's own request, checked before Hydra writes anything (``forgetrain.cli``): a ``kernel=NAME`` target
+    must name a kernel of :mod:`forgetrain.kernels`. Raises ForgeTrainError."""
+    kernel = obj.get("kernel")
+    if kernel:
+        from forgetrain.kernels import module_of
+
+        module_of(str(kernel))
+
+
 def forge_task(cfg) -> None:
     import sys
 
