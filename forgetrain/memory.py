@@ -142,7 +142,7 @@ def estimate(cfg) -> MemoryEstimate:
         grads = a * n
     attn = 2 * nq * d + 2 * nkv * d if fast else 4 * nq * d
     per_token_layer = a * (4 * h + attn + 3 * f) + (4 * nq if fast else 0)
-    live_layers = 1 if recompute else L  # under recompute only the layer being recomputed holds its activations
+    live_layers = 1 if recompute else L  # under recompute only the layer being run (forward or recompute) holds them
     acts = live_layers * tokens * per_token_layer + 2 * a * tokens * h
     if recompute:
         acts += L * tokens * h * a  # each layer's saved input

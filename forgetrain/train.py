@@ -96,11 +96,15 @@ def versions() -> dict:
 class _Probe:
     """Records, for the first micro-batch of a step, each probed module's first-tensor output digest and the
     digest of the gradient flowing into that output (one step only; later micro-batches are ignored so that a
-    data-order bug shows as a loss divergence, not as a module one)."""
+    data-order bug shows as a loss divergence, not as a module one).
+
+    The output digest is the module's first call's. The gradient is the first one that reaches a hooked output:
+    every output that requires grad is hooked until one has arrived, because under activation recompute
+    (``engine.recompute=full``) the first forward's graph is dropped when its layer is done (its hook never
+    fires) and the gradient flows through the recomputed output of the same micro-batch, which comes next."""
 
     def __init__(self, probes: dict[str, torch.nn.Module]):
         self.records: dict[str, dict] = {}
-        self._hooked: set[str] = set()  # probes whose output gradient hook is set
         self.handles = [mod.register_forward_hook(self._hook(name)) for name, mod in probes.items()]
 
     def _hook(self, name):
@@ -109,15 +113,13 @@ class _Probe:
             rec = self.records.get(name)
             if rec is None:
                 rec = self.records[name] = {"fwd": tensor_digest(t), "fwd_l2": float(t.detach().float().norm())}
-            elif name in self._hooked or not t.requires_grad:
+            elif "grad" in rec:
                 return
-            # Under activation recompute (engine.recompute=full) the first forward runs without autograd; the
-            # gradient is hooked on the recomputed output of the same micro-batch, which comes next.
             if t.requires_grad:
-                self._hooked.add(name)
                 def on_grad(g, rec=rec):
-                    rec["grad"] = tensor_digest(g)
-                    rec["grad_l2"] = float(g.detach().float().norm())
+                    if "grad" not in rec:
+                        rec["grad"] = tensor_digest(g)
+                        rec["grad_l2"] = float(g.detach().float().norm())
                 t.register_hook(on_grad)
         return fwd
 

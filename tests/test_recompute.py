@@ -72,14 +72,19 @@ def test_switches_change_no_bit(mode, extra):
 
 
 def test_per_layer_mode_holds_no_bf16_layer_copy_and_recomputes(monkeypatch):
-    calls = []
-    orig = recompute.LayerRunner.run
+    calls, casts = [], []
+    orig_run, orig_copy = recompute.LayerRunner.run, recompute.LayerRunner.working_copy
 
     def counting(self, i, x, weights, args, cast=True):
-        calls.append((i, cast, {w.dtype for w in weights}))
-        return orig(self, i, x, weights, args, cast)
+        calls.append((i, cast, torch.is_grad_enabled(), {w.dtype for w in weights}))
+        return orig_run(self, i, x, weights, args, cast)
+
+    def copying(self, w):
+        casts.append(w.dtype)
+        return orig_copy(self, w)
 
     monkeypatch.setattr(recompute.LayerRunner, "run", counting)
+    monkeypatch.setattr(recompute.LayerRunner, "working_copy", copying)
     cfg = _cfg_for("exact", **BOTH)
     eng = Hopper(cfg, "cpu")
     named = dict(eng.model.named_parameters())
@@ -89,12 +94,14 @@ def test_per_layer_mode_holds_no_bf16_layer_copy_and_recomputes(monkeypatch):
     assert all(named[k].dtype == torch.bfloat16 for k in named if k not in layer_keys)
     eng.train_step([torch.randint(0, 256, (2, 33)) for _ in range(2)])
     n = cfg.model.num_layers
-    # per micro-batch: one forward per layer (casting fp32 weights), one recompute per layer (given bf16 copies)
-    assert [c[:2] for c in calls[:n]] == [(i, True) for i in range(n)]
-    assert sorted(c[:2] for c in calls[n:2 * n]) == [(i, False) for i in range(n)]
-    assert all(c[2] == {torch.float32} for c in calls if c[1]) and all(c[2] == {torch.bfloat16} for c in calls
-                                                                         if not c[1])
-    assert len(calls) == 4 * n
+    # per micro-batch: one forward per layer, then one recompute per layer (last layer first), each with autograd
+    # on and given the bf16 copies cast from the fp32 main weights
+    assert [c[0] for c in calls] == 2 * (list(range(n)) + list(reversed(range(n))))
+    assert all(c[1:] == (False, True, {torch.bfloat16}) for c in calls)
+    assert len(casts) == len(calls) * len(eng.model.layer_runner.names[0]) and set(casts) == {torch.float32}
+    eng.eval_loss([torch.randint(0, 256, (2, 33))])  # without autograd a layer runs once, casting its weights
+    assert [c[:3] for c in calls[4 * n:]] == [(i, True, False) for i in range(n)]
+    assert calls[-1][3] == {torch.float32}
 
 
 def test_a_truncating_weight_cast_is_caught(monkeypatch):

@@ -6,6 +6,15 @@ layer's forward again (with autograd on) and backpropagates through that. Recomp
 same inputs, so the gradients are bitwise those of the stored-activation path (deterministic kernels assumed, as
 Megatron assumes them for its own recompute).
 
+Unlike Megatron's ``CheckpointFunction`` (which runs the first forward under ``no_grad``), the first forward also
+runs with autograd on, from the same detached leaves as the recompute, and drops its graph when the layer is done
+(as ``torch.utils.checkpoint``'s non-reentrant form keeps the grad mode): torch chooses kernels by that state --
+SDPA by ``requires_grad``, dynamo by the grad mode (under ``engine.compile`` a no-grad forward and a grad-mode
+recompute are two compiled graphs, an inference one and a training one, and past dynamo's recompile limit one of
+them runs eagerly) -- so only the same state guarantees that the recompute reproduces the forward's bits. The
+graph lives for one layer, as the recompute's does, so the peak memory is unchanged. With autograd off
+(evaluation, sampling) a layer simply runs; there is nothing to recompute.
+
 ``engine.bf16_weights=per_layer`` (needs ``recompute=full`` and ``train.precision=bf16``): the layers' parameters
 *are* the fp32 main weights; no bf16 copy of them lives between steps. A layer's bf16 copy is made when its
 forward starts and again when its recompute starts, and freed when that layer is done. The cast is round to
@@ -38,8 +47,8 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: "LayerRunner", i: int, args: tuple, x: torch.Tensor, *weights: torch.Tensor):
-        with torch.no_grad():
-            y = runner.run(i, x, weights, args)
+        with torch.enable_grad():  # the recompute's state (module doc); the graph dies with this statement
+            y = runner.run_tracked(i, x, weights, args)[0].detach()
         ctx.runner, ctx.i, ctx.args = runner, i, args
         ctx.save_for_backward(x, *weights)
         return y
@@ -49,9 +58,7 @@ class _Recompute(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         runner, i = ctx.runner, ctx.i
         with torch.enable_grad():
-            xd = x.detach().requires_grad_(True)
-            leaves = [runner.working_copy(w).requires_grad_(w.requires_grad) for w in weights]
-            y = runner.run(i, xd, leaves, ctx.args, cast=False)
+            y, xd, leaves = runner.run_tracked(i, x, weights, ctx.args)
             wanted = [xd] + [t for t in leaves if t.requires_grad]
             grads = torch.autograd.grad(y, wanted, dy, allow_unused=True)
         dx, wgrads = grads[0], iter(grads[1:])
@@ -103,6 +110,14 @@ class LayerRunner:
         with self.context():
             return self._fns[i](params, x, *args)
 
+    def run_tracked(self, i: int, x: torch.Tensor, weights, args: tuple):
+        """Layer ``i`` on fresh leaves, as both the forward and the recompute run it (call with autograd on):
+        ``x`` detached and requiring grad, each weight's :meth:`working_copy` requiring grad as the weight does.
+        Returns ``(y, x leaf, weight leaves)``."""
+        xd = x.detach().requires_grad_(True)
+        leaves = [self.working_copy(w).requires_grad_(w.requires_grad) for w in weights]
+        return self.run(i, xd, leaves, args, cast=False), xd, leaves
+
     def route(self, i: int, grads: list[torch.Tensor | None]) -> None:
         """Layer ``i``'s weight gradients from one recompute: into ``main_grad`` (per-layer mode) or the
         parameters' ``.grad``. Raises RuntimeError when a weight fused into ``main_grad`` also got a gradient."""
@@ -123,6 +138,8 @@ class LayerRunner:
 
     def __call__(self, i: int, x: torch.Tensor, *args) -> torch.Tensor:
         weights = [p for _, p in self.layers[i].named_parameters()]
+        if not torch.is_grad_enabled():  # evaluation or sampling: no backward, nothing to recompute
+            return self.run(i, x, weights, args)
         return _Recompute.apply(self, i, args, x, *weights)
 
 
