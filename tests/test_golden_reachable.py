@@ -34,7 +34,7 @@ def _curve_dir(overrides: list[str]) -> Path:
     return V.curve_golden_dir(to_run_config(obj), V.VerifyConfig(**vd))
 
 
-@pytest.mark.parametrize("var,seeds", [("L", 5), ("R1B", 3)])
+@pytest.mark.parametrize("var,seeds", [("L", 5), ("R1B", 5), ("P8", 5)])
 def test_stored_h200_golden_is_found(var, seeds):
     d = _curve_dir(_shape(var))
     stored = sorted(p.name for p in d.glob("seed_*"))

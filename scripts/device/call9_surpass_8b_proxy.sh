@@ -4,12 +4,16 @@
 # Megatron-core (local spec) needs ~117 GiB here, so the surpass timing runs in A-B-A blocks (one engine in memory
 # at a time). Each seed is about 170 s; the judgement about 200 s.
 #   PART=a: golden seeds 1234 1235 1236.   PART=b: seeds 1237 1238, then the fast default at surpass.
+#   SEEDS overrides the part's seeds; SEEDS= PART=b runs the judgement alone.
 #   run: PART=a bash scripts/device/call9_surpass_8b_proxy.sh ; then PART=b ...   (carry [".whl"])
+# Stored (2026-12-02): all 5 seeds, references/goldens/h200/llama8b_h100-loss_curve-24b726ebc7bf. Extract each
+# returned tar at the repo root before the next call.
 set -u
 . scripts/device/setup.sh
-P="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=1 \
-train.deterministic=false hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
-[ "${PART:-a}" = a ] && SEEDS="1234 1235 1236" || SEEDS="1237 1238"
+. scripts/device/shapes.sh   # P8
+P=$P8
+[ "${PART:-a}" = a ] && D="1234 1235 1236" || D="1237 1238"
+SEEDS=${SEEDS-$D}   # SEEDS="" PART=b: the judgement alone
 for s in $SEEDS; do
   echo "$(ts) == golden seed $s ($(left) s left)"
   timeout $(left) python3 -m forgetrain.verify $P tier=loss_curve verify.make_golden=true "verify.seeds=[$s]" \

@@ -11,6 +11,8 @@
 #         micro-batch 2 x grad-accum 2 (at micro-batch 4 Megatron-core's local spec runs out of memory even at 8
 #         layers: [mb, 32, 4096, 4096] scores per layer plus fp32 logits). Golden
 #         references/goldens/h200/llama1b_h200-loss_curve-17890fa97f85. LAYERS and MB change it (a new golden).
+#   P8:   the llama8b_h100 proxy (full 8B width, 4 layers, seq 8192, micro-batch 1, global batch 1, 300 steps):
+#         golden references/goldens/h200/llama8b_h100-loss_curve-24b726ebc7bf.
 L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
 model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
 train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
@@ -23,3 +25,5 @@ BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.
 FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
 R1B="scenario=llama1b_h200 model.num_layers=${LAYERS:-8} train.micro_batch_size=${MB:-2} train.global_batch_size=4 \
 hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
+P8="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=1 \
+train.deterministic=false hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
