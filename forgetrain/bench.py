@@ -479,14 +479,25 @@ def _check_bench(b: BenchConfig) -> None:
 
 def recompute_warnings(rc, against: list) -> list[str]:
     """One ``warning:`` line per side in ``against`` whose engine has no activation recompute
-    (``supports_recompute``) while ``engine.recompute`` asks for it: that side stores its activations."""
+    (``supports_recompute``) while ``engine.recompute`` asks for it: that side stores its activations; or that
+    recomputes every layer (no ``supports_recompute_num_layers``) while ``engine.recompute_num_layers`` asks for
+    fewer."""
     from forgetrain import registry
 
     if rc.engine.recompute == "none":
         return []
-    return [f"warning: bench side '{n}' has no activation recompute; it runs with its activations stored "
-            f"(engine.recompute={rc.engine.recompute} applies to the forged engine and the sides that implement it)"
-            for n in against if not getattr(registry.load_engine_class("references", n), "supports_recompute", False)]
+    out = []
+    rnl = rc.engine.recompute_num_layers
+    for n in against:
+        cls = registry.load_engine_class("references", n)
+        if not getattr(cls, "supports_recompute", False):
+            out.append(f"warning: bench side '{n}' has no activation recompute; it runs with its activations stored "
+                       f"(engine.recompute={rc.engine.recompute} applies to the forged engine and the sides that "
+                       f"implement it)")
+        elif rnl is not None and not getattr(cls, "supports_recompute_num_layers", False):
+            out.append(f"warning: bench side '{n}' recomputes every layer; engine.recompute_num_layers={rnl} "
+                       f"applies to the forged engine and the sides that implement it")
+    return out
 
 
 def bench_task(cfg) -> None:

@@ -170,6 +170,9 @@ class EngineOptions:
     # Activation recompute of the decoder layers: none | full (Megatron's recompute_granularity=full,
     # recompute_method=uniform, one layer per checkpoint). Bitwise: it repeats the same ops (optimisations.yaml)
     recompute: str = "none"
+    # Under recompute=full, how many decoder layers are recomputed: the first N (Megatron's recompute_method=block,
+    # recompute_num_layers=N); the others store their activations. null: every layer (the uniform method above)
+    recompute_num_layers: int | None = None
     # Where the bf16 working weights of the decoder layers live under train.precision=bf16: resident (a bf16 copy
     # beside the fp32 main weights, Megatron's recipe) | per_layer (no copy between steps: each layer's is cast
     # from the fp32 main weights when its forward or its recompute starts; needs recompute=full). Bitwise
@@ -429,6 +432,12 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
                           f"zero_stage={cfg.parallel.zero_stage}")
     if cfg.engine.recompute not in ("none", "full"):
         raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
+    rnl = cfg.engine.recompute_num_layers
+    if rnl is not None and (cfg.engine.recompute != "full" or isinstance(rnl, bool) or not isinstance(rnl, int)
+                            or not 0 <= rnl <= cfg.model.num_layers):
+        raise ConfigError(f"engine.recompute_num_layers must be an integer from 0 to model.num_layers "
+                          f"({cfg.model.num_layers}) with engine.recompute=full (null: every layer); got {rnl!r} "
+                          f"with recompute={cfg.engine.recompute}")
     if cfg.engine.bf16_weights not in ("resident", "per_layer"):
         raise ConfigError(f"engine.bf16_weights must be resident|per_layer, got '{cfg.engine.bf16_weights}'")
     if not reference and cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full" or cfg.train.precision != "bf16"

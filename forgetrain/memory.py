@@ -11,15 +11,18 @@ heads, d head dim; T = b*s tokens per micro-batch.
 
 =================  ===================================================================================
 model_weights      a * N                          (the bf16 working copy; under fp32 it *is* the main copy);
-                   ``engine.bf16_weights=per_layer``: a * (N - L*N_layer + N_layer), the layers' copy is one
-                   layer's at a time (N_layer = one decoder layer's parameters)
+                   ``engine.bf16_weights=per_layer``: a * (N - L*N_layer + C*N_layer), C = L - R + [R > 0]
+                   layers' copies alive at once: the stored layers keep theirs to their backward, the
+                   recomputed ones exist one at a time (N_layer = one decoder layer's parameters; R below)
 main_weights       4 * N under bf16, 0 under fp32 (fp32 main weights)
 main_grads         4 * N                          (fp32 ``main_grad``; not sharded: the engine's DP buffer is full)
 adam_moments       8 * N / DP under ZeRO-1, else 8 * N (fp32 exp_avg and exp_avg_sq)
 autograd_grads     a * N unfused (per_layer: a * (N - L*N_layer + N_layer)); with ``engine.grad_accum_fusion`` only the norm weights' a * (2L+1) * h
                    (plus the LM head's a * V * h under ``kernels.cross_entropy=triton``, which keeps it on autograd)
 activations        L * T * [a * (4h + 2*nq*d + 2*nkv*d + 3f) + 4*nq]  +  2 * a * T * h          (fast mode);
-                   ``engine.recompute=full``: one layer's term instead of L, plus L * T * h * a (saved inputs)
+                   ``engine.recompute=full`` over R layers (``engine.recompute_num_layers``, default all L):
+                   (L - R + [R > 0]) layers' term instead of L -- the stored layers and the one being
+                   recomputed -- plus R * T * h * a (the recomputed layers' saved inputs)
 lm_head_ce         see below
 workspace          1 GiB (:data:`WORKSPACE_BYTES`)
 =================  ===================================================================================
@@ -134,6 +137,12 @@ def estimate(cfg) -> MemoryEstimate:
     recompute = getattr(e, "recompute", "none") == "full"
     per_layer = bf16 and getattr(e, "bf16_weights", "resident") == "per_layer"
     n_layer = (n - 2 * V * h - h) // L  # one decoder layer's parameters (metrics.param_counts' sum, untied head)
+    rnl = getattr(e, "recompute_num_layers", None)
+    recomputed = (L if rnl is None else rnl) if recompute else 0  # the first `recomputed` layers
+    # layers holding their activations at the loss: the stored ones, plus the one being recomputed
+    live_layers = (L - recomputed) + (1 if recomputed else 0)
+    # per-layer bf16 working copies alive at once: the stored layers keep theirs until their backward
+    live_copies = (L - recomputed) + (1 if recomputed else 0)
     if fused:
         grads = a * (2 * L + 1) * h + (a * V * h if ce == "triton" else 0)
     elif per_layer:  # the layers' bf16 grads exist one layer at a time, in its recompute
@@ -142,10 +151,8 @@ def estimate(cfg) -> MemoryEstimate:
         grads = a * n
     attn = 2 * nq * d + 2 * nkv * d if fast else 4 * nq * d
     per_token_layer = a * (4 * h + attn + 3 * f) + (4 * nq if fast else 0)
-    live_layers = 1 if recompute else L  # under recompute only the layer being run (forward or recompute) holds them
     acts = live_layers * tokens * per_token_layer + 2 * a * tokens * h
-    if recompute:
-        acts += L * tokens * h * a  # each layer's saved input
+    acts += recomputed * tokens * h * a  # each recomputed layer's saved input
     if not fast:
         acts += live_layers * b * nq * s * s * (4 + a)
     chunk = min(e.ce_chunk_tokens or tokens, tokens)
@@ -158,7 +165,7 @@ def estimate(cfg) -> MemoryEstimate:
     else:
         head = tokens * V * 12
     return MemoryEstimate(
-        model_weights=(a * (n - L * n_layer + n_layer) if per_layer else a * n) // static_div,
+        model_weights=(a * (n - L * n_layer + live_copies * n_layer) if per_layer else a * n) // static_div,
         main_weights=(4 * n if bf16 else 0) // static_div,
         main_grads=4 * n // static_div,
         adam_moments=8 * n // (dp if p.zero_stage in (1, 3) else 1),

@@ -98,8 +98,9 @@ def _check_recompute(name: str, engine_cls) -> None:
     assert on[1] == off[1], (on[1], off[1])
     assert all(torch.equal(on[2][k], off[2][k]) for k in off[2])
     assert all(not torch.equal(off[2][k], off[5][k]) for k in off[2])  # every weight was updated
-    assert off[4].bench_info == {"recompute": "none"}
-    assert on[4].bench_info == {"recompute": "full"}
+    assert off[4].bench_info["recompute"] == "none"
+    assert on[4].bench_info["recompute"] == "full"
+    assert on[4].bench_info.get("recompute_num_layers") is None  # every block
 
 
 def test_torch_compile_recompute_is_bitwise_and_runs():
@@ -199,7 +200,7 @@ def test_bench_records_recompute_for_both_baselines(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "bench.json").read_text())
     assert {r["side"] for r in res["rows"]} == {"forged", "torch_compile", "torchtitan"}
-    assert res["engine_info"]["torch_compile"] == {"recompute": "full"}
+    assert res["engine_info"]["torch_compile"] == {"recompute": "full", "recompute_num_layers": None}
     assert res["engine_info"]["torchtitan"] == {"recompute": "full"}
 
 
@@ -217,3 +218,30 @@ def test_bench_warns_for_a_side_without_recompute():
     lines = recompute_warnings(on, ["megatron", "torch_compile", "torchtitan"])
     assert len(lines) == 1 and lines[0].startswith("warning: bench side 'megatron' has no activation recompute")
     assert recompute_warnings(rc, ["megatron"]) == []
+    block = dataclasses.replace(rc, engine=EngineOptions(recompute="full", recompute_num_layers=1))
+    lines = recompute_warnings(block, ["torch_compile", "torchtitan"])
+    assert lines == ["warning: bench side 'torchtitan' recomputes every layer; engine.recompute_num_layers=1 "
+                     "applies to the forged engine and the sides that implement it"]
+
+
+def test_torch_compile_block_recompute_is_bitwise_and_reruns_only_the_first_blocks():
+    """``engine.recompute_num_layers=1`` of 2 blocks: block 0 starts twice per micro-batch, block 1 once, and the
+    run is bitwise the run without recompute."""
+    cfg = _cfg("full")
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute_num_layers=1))
+    ga = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    runs = {}
+    for key, c in (("off", _cfg("none")), ("block", cfg)):
+        torch.manual_seed(c.train.seed)
+        eng = TorchCompile(c, torch.device("cpu"))
+        starts = [0, 0]
+        hooks = [eng.model.layers[i].register_forward_pre_hook(lambda *_, i=i: starts.__setitem__(i, starts[i] + 1))
+                 for i in range(2)]
+        losses = [eng.train_step(mbs).loss for mbs in _batches(c)]
+        for h in hooks:
+            h.remove()
+        runs[key] = (losses, eng.export_hf_weights(), starts, eng.bench_info)
+    assert runs["block"][2] == [2 * ga * STEPS, ga * STEPS], runs["block"][2]
+    assert runs["block"][0] == runs["off"][0]
+    assert all(torch.equal(runs["block"][1][k], runs["off"][1][k]) for k in runs["off"][1])
+    assert runs["block"][3] == {"recompute": "full", "recompute_num_layers": 1}

@@ -203,3 +203,32 @@ def test_llama8b_h200_fits_with_headroom_and_needs_its_memory_layout(monkeypatch
         bad = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **off))
         with pytest.raises(ConfigError, match="engine.bf16_weights=per_layer"):
             memory.check(bad)
+
+
+def test_block_recompute_estimate_by_hand(monkeypatch):
+    """``engine.recompute_num_layers=R`` of L: the stored layers' activations (and, per-layer, their bf16 copies)
+    plus the one being recomputed, plus R saved inputs; R = L is full recompute, R = 0 stores every layer."""
+    from forgetrain.metrics import param_counts
+
+    cfg = _compose(["scenario=llama8b_h200"])
+    m, L = cfg.model, cfg.model.num_layers
+    n = param_counts(m)["total"]
+    n_layer = (n - 2 * m.vocab_size * m.hidden_size - m.hidden_size) // L
+    full = estimate(cfg)
+
+    def at(r):
+        return estimate(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute_num_layers=r)))
+
+    assert at(L) == full
+    one_layer = at(L - 1).activations - full.activations + m.seq_length * m.hidden_size * 2  # less one saved input
+    for r in (0, 1, L - 4):
+        e = at(r)
+        stored = L - r
+        live = stored + (1 if r else 0)
+        assert e.activations == full.activations + (live - 1) * one_layer - stored * m.seq_length * m.hidden_size * 2
+        assert e.model_weights == 2 * (n - L * n_layer) + 2 * live * n_layer
+    # the 8B scenario: storing 4 of 32 layers still fits a 139 GiB H200; storing all of them does not
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "139")
+    memory.check(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute_num_layers=L - 4)))
+    with pytest.raises(ConfigError, match="this config needs an estimated"):
+        memory.check(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute_num_layers=0)))

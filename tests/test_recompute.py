@@ -7,8 +7,11 @@
 * on the engine itself, each switch leaves every loss and every final weight bitwise unchanged, in exact and fast
   mode, with and without gradient accumulation fusion;
 * per-layer mode really holds no bf16 copy of the layers and runs the recompute;
-* two deliberately wrong implementations are caught: a weight cast that truncates instead of rounding to nearest,
-  and a recompute that adds into ``main_grad`` on the first micro-batch instead of overwriting it;
+* ``engine.recompute_num_layers`` (recompute the first N layers, store the rest) changes no bit either, and reruns
+  only those layers;
+* three deliberately wrong implementations are caught: a weight cast that truncates instead of rounding to nearest,
+  a recompute that adds into ``main_grad`` on the first micro-batch instead of overwriting it, and a stored layer
+  that drops its weight gradients;
 * bad values and combinations are refused with one line.
 """
 
@@ -104,6 +107,69 @@ def test_per_layer_mode_holds_no_bf16_layer_copy_and_recomputes(monkeypatch):
     assert calls[-1][3] == {torch.float32}
 
 
+@pytest.mark.parametrize("mode,extra", [("exact", {}), ("fast", {"grad_accum_fusion": True})], ids=["exact", "fast_fused"])
+@pytest.mark.parametrize("layers", [0, 1])
+def test_block_recompute_changes_no_bit(mode, extra, layers):
+    """``engine.recompute_num_layers``: the stored layers differentiate the same tracked forward the recompute
+    reruns, so recomputing some, none or all of the layers gives the same bits."""
+    init = Hopper(_cfg_for(mode), "cpu").export_hf_weights()
+    base = _train(_cfg_for(mode, **extra), init)
+    for variant in ({"recompute": "full"}, BOTH):
+        got = _train(_cfg_for(mode, **extra, **variant, recompute_num_layers=layers), init)
+        assert _same(base, got), (variant, layers, base[0], got[0])
+
+
+def test_block_recompute_under_compile_changes_no_bit():
+    """Compiled layers: a stored layer keeps the compiled training graph's saved tensors, a recomputed one reruns
+    it; the losses and weights equal the compiled run without recompute."""
+    import torch._dynamo
+
+    def compiled(**engine):
+        c = _cfg_for("fast", **engine)
+        return dataclasses.replace(c, engine=dataclasses.replace(c.engine, compile=True))
+
+    init = Hopper(_cfg_for("fast"), "cpu").export_hf_weights()
+    torch._dynamo.reset()
+    try:
+        base = _train(compiled(), init, steps=2)
+        got = _train(compiled(**BOTH, recompute_num_layers=1), init, steps=2)
+    finally:
+        torch._dynamo.reset()
+    assert _same(base, got), (base[0], got[0])
+
+
+def test_block_recompute_reruns_only_the_first_layers(monkeypatch):
+    calls = []
+    orig_run = recompute.LayerRunner.run
+
+    def counting(self, i, x, weights, args, cast=True):
+        calls.append(i)
+        return orig_run(self, i, x, weights, args, cast)
+
+    monkeypatch.setattr(recompute.LayerRunner, "run", counting)
+    cfg = _cfg_for("exact", **BOTH, recompute_num_layers=1)
+    eng = Hopper(cfg, "cpu")
+    eng.train_step([torch.randint(0, 256, (2, 33)) for _ in range(2)])
+    n = cfg.model.num_layers
+    assert n >= 2 and calls == 2 * (list(range(n)) + [0])  # every forward, then the recompute of layer 0 only
+    assert eng.bench_info["recompute_num_layers"] == 1
+
+
+def test_a_stored_layer_that_drops_its_weight_gradients_is_caught(monkeypatch):
+    """A stored layer whose backward returns only dx (its weights never learn): the run departs from the
+    recomputed one."""
+    init = Hopper(_cfg_for("exact"), "cpu").export_hf_weights()
+    base = _train(_cfg_for("exact"), init)
+
+    def lazy(ctx, dy):
+        y, xd, _ = ctx.graph
+        (dx,) = torch.autograd.grad(y, [xd], dy)
+        return (None, None, None, dx) + (None,) * ctx.n_weights
+
+    monkeypatch.setattr(recompute._Stored, "backward", staticmethod(lazy))
+    assert not _same(base, _train(_cfg_for("exact", **BOTH, recompute_num_layers=1), init))
+
+
 def test_a_truncating_weight_cast_is_caught(monkeypatch):
     """Round toward zero instead of to nearest: the bf16 working weights differ from the resident copy's."""
     init = Hopper(_cfg_for("exact"), "cpu").export_hf_weights()
@@ -132,6 +198,9 @@ def test_accumulating_on_the_first_micro_batch_is_caught(monkeypatch):
 @pytest.mark.parametrize("engine,train,parallel,match", [
     ({"recompute": "selective"}, {}, {}, "engine.recompute must be none|full"),
     ({"bf16_weights": "offload"}, {}, {}, "engine.bf16_weights must be resident|per_layer"),
+    ({"recompute_num_layers": 1}, {}, {}, "engine.recompute_num_layers must be an integer"),
+    ({"recompute": "full", "recompute_num_layers": -1}, {}, {}, "engine.recompute_num_layers must be an integer"),
+    ({"recompute": "full", "recompute_num_layers": 99}, {}, {}, "engine.recompute_num_layers must be an integer"),
     ({"bf16_weights": "per_layer"}, {}, {}, "needs engine.recompute=full"),
     (BOTH, {"precision": "fp32"}, {}, "needs engine.recompute=full"),
     (BOTH, {}, {"zero_stage": 1}, "needs engine.recompute=full"),

@@ -102,7 +102,7 @@ def _probe_records(engine: dict, ga: int = 3) -> dict:
 def test_module_probes_under_recompute_are_the_first_micro_batch_digests():
     base = _probe_records({})
     assert base and all({"fwd", "grad"} <= set(r) for r in base.values())
-    for variant in ({"recompute": "full"}, BOTH):
+    for variant in ({"recompute": "full"}, BOTH, dict(BOTH, recompute_num_layers=1)):
         assert _probe_records(variant) == base, variant
 
 

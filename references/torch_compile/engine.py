@@ -13,7 +13,8 @@ Each block keeps only its input ``x`` ``[b, s, h]`` (fp32: the residual stream u
 again in the backward; the autocast state of the forward is replayed there. Under ``torch.compile`` the
 checkpointed regions are traced as such and the compiler's partitioner recomputes them. Recompute repeats the same
 ops on the same inputs, so in eager mode (CPU) losses, gradients and weights are bitwise those of
-``recompute=none`` (``tests/test_baseline_recompute.py``). ``engine.bf16_weights`` is the forged engine's switch:
+``recompute=none`` (``tests/test_baseline_recompute.py``). ``engine.recompute_num_layers=N`` checkpoints only the
+first N blocks (Megatron's block method), as the forged engine does. ``engine.bf16_weights`` is the forged engine's switch:
 this baseline keeps its fp32 weights either way. ``bench_info`` says which mode ran.
 """
 
@@ -63,9 +64,10 @@ class _Block(nn.Module):
 
 
 class _Llama(nn.Module):
-    def __init__(self, c, recompute: bool = False):
+    def __init__(self, c, recompute: bool = False, recompute_layers: int | None = None):
         super().__init__()
         self.c, self.recompute = c, recompute
+        self.recompute_layers = c.num_layers if recompute_layers is None else recompute_layers
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
@@ -82,8 +84,11 @@ class _Llama(nn.Module):
         x = self.embed_tokens(ids)
         cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
         ckpt = self.recompute and torch.is_grad_enabled()  # engine.recompute=full: one block per checkpoint
-        for blk in self.layers:
-            x = checkpoint(blk, x, cos, sin, use_reentrant=False) if ckpt else blk(x, cos, sin)
+        for i, blk in enumerate(self.layers):  # engine.recompute_num_layers: only the first N blocks
+            if ckpt and i < self.recompute_layers:
+                x = checkpoint(blk, x, cos, sin, use_reentrant=False)
+            else:
+                x = blk(x, cos, sin)
         logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.c.norm_epsilon))
         if labels is None:
             return logits
@@ -95,6 +100,7 @@ class Engine:
 
     bench_only = True  # verify refuses it: no per-token losses to judge
     supports_recompute = True  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
+    supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N blocks only
 
     def __init__(self, cfg, device):
         from forgetrain.errors import ConfigError
@@ -107,7 +113,8 @@ class Engine:
             raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
         self.cfg, self.device, self.t = cfg, torch.device(device), cfg.train
         with torch.device(self.device):
-            self.model = _Llama(cfg.model, recompute=cfg.engine.recompute == "full")
+            self.model = _Llama(cfg.model, recompute=cfg.engine.recompute == "full",
+                                recompute_layers=cfg.engine.recompute_num_layers)
         g = torch.Generator(device=self.device).manual_seed(self.t.seed)
         with torch.no_grad():
             for n, p in self.model.named_parameters():
@@ -125,9 +132,10 @@ class Engine:
 
     @property
     def bench_info(self) -> dict:
-        """What ``forgetrain.bench`` records under "engine_info": ``recompute`` is "full" when every block runs
-        under ``torch.utils.checkpoint`` in the train step, else "none"."""
-        return {"recompute": "full" if self.model.recompute else "none"}
+        """What ``forgetrain.bench`` records under "engine_info": ``recompute`` is "full" when the blocks run
+        under ``torch.utils.checkpoint`` in the train step (the first ``recompute_num_layers`` of them), else "none"."""
+        return {"recompute": "full" if self.model.recompute else "none",
+                "recompute_num_layers": self.cfg.engine.recompute_num_layers if self.model.recompute else None}
 
     def _ac(self):
         if self.t.precision == "bf16":

@@ -1,4 +1,5 @@
-"""Full activation recompute of the decoder layers, optionally with just-in-time bf16 weights.
+"""Full activation recompute of the decoder layers (all of them, or the first N), optionally with just-in-time bf16
+weights.
 
 ``engine.recompute=full`` is Megatron-LM's ``--recompute-granularity full --recompute-method uniform
 --recompute-num-layers 1``: each decoder layer keeps only its input ``x`` for the backward; the backward runs the
@@ -23,6 +24,12 @@ The layer's bf16 weight gradients go into the engine's fp32 ``main_grad`` right 
 (copied on the step's first micro-batch, added on the others: Megatron DDP's ``main_grad.add_(grad)``
 arithmetic, the same as the engine's own post-backward pass). Without it, the resident bf16 weights are used and
 their gradients land in ``.grad`` as usual.
+
+``engine.recompute_num_layers=N`` recomputes only the first N layers (Megatron's ``--recompute-method block
+--recompute-num-layers N``); each later layer runs the same tracked forward and keeps its graph, and with it its
+activations (and, in per-layer mode, its bf16 working copy), until its backward. The backward differentiates that
+graph, so its gradients are the same bits as the recompute's: both differentiate the same tracked forward on the
+same leaves. The memory freed by recomputing fewer layers is traded for speed, chosen by measurement.
 
 Weights are substituted with ``torch.func.functional_call``; under ``engine.compile`` each layer's
 ``functional_call`` is compiled once (a compiled *module* cannot take non-Parameter weights).
@@ -59,11 +66,37 @@ class _Recompute(torch.autograd.Function):
         runner, i = ctx.runner, ctx.i
         with torch.enable_grad():
             y, xd, leaves = runner.run_tracked(i, x, weights, ctx.args)
-            wanted = [xd] + [t for t in leaves if t.requires_grad]
-            grads = torch.autograd.grad(y, wanted, dy, allow_unused=True)
-        dx, wgrads = grads[0], iter(grads[1:])
-        runner.route(i, [next(wgrads) if t.requires_grad else None for t in leaves])
+            dx = _backprop(runner, i, y, xd, leaves, dy)
         return (None, None, None, dx) + (None,) * len(weights)
+
+
+class _Stored(torch.autograd.Function):
+    """``y = layer_i(x, *args)`` storing its activations: a layer past ``recompute_num_layers``. The forward is the
+    recompute's tracked forward; its graph is kept on ``ctx`` until the backward differentiates it (module doc)."""
+
+    @staticmethod
+    def forward(ctx, runner: "LayerRunner", i: int, args: tuple, x: torch.Tensor, *weights: torch.Tensor):
+        with torch.enable_grad():
+            y, xd, leaves = runner.run_tracked(i, x, weights, args)
+        ctx.runner, ctx.i, ctx.graph, ctx.n_weights = runner, i, (y, xd, leaves), len(weights)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        y, xd, leaves = ctx.graph
+        del ctx.graph  # the activations die with this backward, as autograd's own saved tensors do
+        dx = _backprop(ctx.runner, ctx.i, y, xd, leaves, dy)
+        return (None, None, None, dx) + (None,) * ctx.n_weights
+
+
+def _backprop(runner: "LayerRunner", i: int, y: torch.Tensor, xd: torch.Tensor, leaves: list, dy: torch.Tensor):
+    """Differentiate layer ``i``'s tracked forward ``y`` at ``dy``: route its weight gradients (``runner.route``)
+    and return the gradient of its input ``xd``."""
+    wanted = [xd] + [t for t in leaves if t.requires_grad]
+    grads = torch.autograd.grad(y, wanted, dy, allow_unused=True)
+    wgrads = iter(grads[1:])
+    runner.route(i, [next(wgrads) if t.requires_grad else None for t in leaves])
+    return grads[0]
 
 
 class LayerRunner:
@@ -76,15 +109,22 @@ class LayerRunner:
     compile: compile each layer's ``functional_call`` (``engine.compile``).
     context: a factory of the context every layer call runs in (the SDPA backend priority): the recompute runs in
         the backward, outside the model's forward, and must pick the same kernels.
-    Raises ValueError when ``per_layer_dtype`` is given without ``main_grad``.
+    recompute_layers: how many layers, the first ones, are recomputed (``engine.recompute_num_layers``); None:
+        all. The others store their activations (:class:`_Stored`).
+    Raises ValueError when ``per_layer_dtype`` is given without ``main_grad``, or for ``recompute_layers`` outside
+    0..len(layers).
     """
 
     def __init__(self, layers, prefix: str = "layers.", per_layer_dtype: torch.dtype | None = None,
                  main_grad: dict[str, torch.Tensor] | None = None, fused: list[str] | tuple = (),
-                 compile: bool = False, context: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 compile: bool = False, context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 recompute_layers: int | None = None):
         if per_layer_dtype is not None and main_grad is None:
             raise ValueError("per-layer working weights need the fp32 main_grad to write their gradients into")
         self.layers = list(layers)
+        if recompute_layers is not None and not 0 <= recompute_layers <= len(self.layers):
+            raise ValueError(f"recompute_layers must be in 0..{len(self.layers)}, got {recompute_layers}")
+        self.recompute_layers = len(self.layers) if recompute_layers is None else recompute_layers
         self.names = [[n for n, _ in layer.named_parameters()] for layer in self.layers]
         self.prefix, self.dtype, self.main_grad = prefix, per_layer_dtype, main_grad
         self.fused = set(fused)
@@ -140,7 +180,8 @@ class LayerRunner:
         weights = [p for _, p in self.layers[i].named_parameters()]
         if not torch.is_grad_enabled():  # evaluation or sampling: no backward, nothing to recompute
             return self.run(i, x, weights, args)
-        return _Recompute.apply(self, i, args, x, *weights)
+        fn = _Recompute if i < self.recompute_layers else _Stored
+        return fn.apply(self, i, args, x, *weights)
 
 
 def per_layer_names(model: nn.Module, prefix: str = "layers.") -> set[str]:

@@ -65,6 +65,7 @@ class Engine:
         "exact/cuda": {"adamw": ("fused",)},
     }
     supports_recompute = True  # engine.recompute=full and engine.bf16_weights=per_layer (scenarios/_llama/recompute)
+    supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N layers only
 
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)
@@ -144,13 +145,15 @@ class Engine:
         self.model.layer_runner = recompute.LayerRunner(
             self.model.layers, per_layer_dtype=torch.bfloat16 if self.per_layer else None,
             main_grad=self.main_grad if self.per_layer else None, fused=self._fused,
-            compile=self.fast and self.opts.compile, context=context)
+            compile=self.fast and self.opts.compile, context=context,
+            recompute_layers=self.opts.recompute_num_layers)
 
     @property
     def bench_info(self) -> dict:
         """What ``forgetrain.bench`` records about this engine: the gradient-accumulation path (None: unfused), the
-        activation recompute and where the layers' bf16 weights live."""
+        activation recompute (and how many layers it covers; None: all) and where the layers' bf16 weights live."""
         return {"grad_accum_fusion": self.grad_accum_path, "recompute": self.opts.recompute,
+                "recompute_num_layers": self.opts.recompute_num_layers,
                 "bf16_weights": self.opts.bf16_weights if self.bf16 else None}
 
     def _setup_dp_buffer(self) -> None:

@@ -12,6 +12,10 @@
 #           engine.recompute=full); needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). About 8 min.
 #   PART=d  the same beside torch.compile (fp32 weights under autocast, fused AdamW, every block checkpointed).
 #           A side that runs out of memory is reported as such by the bench (the answer "none fits" is a result).
+#   PART=e  the recompute knob: the forged engine alone at global batch 8, engine.recompute_num_layers 32, 30, 28
+#           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
+#   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
+#   layer 1 stored).
 #   run: PART=a bash scripts/device/call16_llama8b_h200.sh   (carry [".whl"]; PART=c carries [".whl", ".whl_sides"])
 set -u
 . scripts/device/setup.sh
@@ -25,6 +29,11 @@ a)
     engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
     verify.steps=6 verify.out_dir=/tmp/v16a 2>&1 | filt 6
   cp /tmp/v16a/verdict.json $OUT/call16_exact_bitwise_verdict.json 2>/dev/null
+  echo "$(ts) == exact mode, block recompute (first layer only): bitwise vs Megatron-core ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
+    engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
+    engine.recompute_num_layers=1 verify.steps=6 verify.out_dir=/tmp/v16b 2>&1 | filt 6
+  cp /tmp/v16b/verdict.json $OUT/call16_exact_block_bitwise_verdict.json 2>/dev/null
   echo "$(ts) == fast default (scenario switches): tolerance vs Megatron-core ($(left) s left)"
   timeout $(left) python3 -m forgetrain.verify $S $SMALL train.deterministic=true tier=tolerance verify.steps=8 \
     verify.out_dir=/tmp/v16t 2>&1 | filt 6
@@ -52,6 +61,14 @@ c|d)
   timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.steps=4 bench.warmup=2 \
     bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
   cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs8_$side.json 2>/dev/null
+  ;;
+e)
+  for n in 32 30 28; do
+    echo "$(ts) == bench: forged alone, engine.recompute_num_layers=$n, GBS 8 ($(left) s left)"
+    timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
+      engine.recompute_num_layers=$n train.deterministic=false bench.out_dir=/tmp/b16e$n 2>&1 | filt 12
+    cp /tmp/b16e$n/bench.json $OUT/call16_bench_recompute_layers_$n.json 2>/dev/null
+  done
   ;;
 esac
 echo "$(ts) done"
