@@ -173,6 +173,10 @@ class EngineOptions:
     # Under recompute=full, how many decoder layers are recomputed: the first N (Megatron's recompute_method=block,
     # recompute_num_layers=N); the others store their activations. null: every layer (the uniform method above)
     recompute_num_layers: int | None = None
+    # Fraction (0..1) of the AdamW moments kept in host memory and streamed through the GPU for the update, largest
+    # tensors first (the Hopper engine, no ZeRO, not with onepass_optimizer). Bitwise: the same elementwise update
+    # in chunks (optimisations.yaml). It frees 8 bytes per offloaded parameter on the device, for stored activations
+    optimizer_offload_fraction: float = 0.0
     # Where the bf16 working weights of the decoder layers live under train.precision=bf16: resident (a bf16 copy
     # beside the fp32 main weights, Megatron's recipe) | per_layer (no copy between steps: each layer's is cast
     # from the fp32 main weights when its forward or its recompute starts; needs recompute=full). Bitwise
@@ -438,6 +442,13 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
         raise ConfigError(f"engine.recompute_num_layers must be an integer from 0 to model.num_layers "
                           f"({cfg.model.num_layers}) with engine.recompute=full (null: every layer); got {rnl!r} "
                           f"with recompute={cfg.engine.recompute}")
+    off = cfg.engine.optimizer_offload_fraction
+    if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0.0 <= off <= 1.0:
+        raise ConfigError(f"engine.optimizer_offload_fraction must be a number from 0 to 1, got {off!r}")
+    if not reference and off > 0 and (cfg.parallel.zero_stage != 0 or cfg.engine.onepass_optimizer):
+        raise ConfigError("engine.optimizer_offload_fraction > 0 needs parallel.zero_stage=0 and "
+                          f"engine.onepass_optimizer=false; got zero_stage={cfg.parallel.zero_stage}, "
+                          f"onepass_optimizer={cfg.engine.onepass_optimizer}")
     if cfg.engine.bf16_weights not in ("resident", "per_layer"):
         raise ConfigError(f"engine.bf16_weights must be resident|per_layer, got '{cfg.engine.bf16_weights}'")
     if not reference and cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full" or cfg.train.precision != "bf16"
@@ -457,6 +468,9 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if not reference and cfg.engine.recompute != "none" and not getattr(engine_cls, "supports_recompute", False):
         raise ConfigError(f"engine.recompute={cfg.engine.recompute} is not implemented by engine "
                           f"{cfg.scenario.engine}; set engine.recompute=none")
+    if not reference and off > 0 and not getattr(engine_cls, "supports_optimizer_offload", False):
+        raise ConfigError(f"engine.optimizer_offload_fraction is not implemented by engine {cfg.scenario.engine}; "
+                          f"set it to 0")
     if not reference:
         switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}",
                        cfg.engine.mode, cfg.hardware.device)

@@ -16,7 +16,10 @@ model_weights      a * N                          (the bf16 working copy; under 
                    recomputed ones exist one at a time (N_layer = one decoder layer's parameters; R below)
 main_weights       4 * N under bf16, 0 under fp32 (fp32 main weights)
 main_grads         4 * N                          (fp32 ``main_grad``; not sharded: the engine's DP buffer is full)
-adam_moments       8 * N / DP under ZeRO-1, else 8 * N (fp32 exp_avg and exp_avg_sq)
+adam_moments       8 * N / DP under ZeRO-1, else 8 * N (fp32 exp_avg and exp_avg_sq);
+                   ``engine.optimizer_offload_fraction=F``: 8 * N * (1 - F) on the device (an upper bound: whole
+                   tensors go to the host until at least F of the elements have) plus the staging,
+                   16 * min(:data:`OFFLOAD_CHUNK_ELEMS`, V*h) (the largest tensor is the embedding or LM head)
 autograd_grads     a * N unfused (per_layer: a * (N - L*N_layer + N_layer)); with ``engine.grad_accum_fusion`` only the norm weights' a * (2L+1) * h
                    (plus the LM head's a * V * h under ``kernels.cross_entropy=triton``, which keeps it on autograd)
 activations        L * T * [a * (4h + 2*nq*d + 2*nkv*d + 3f) + 4*nq]  +  2 * a * T * h          (fast mode);
@@ -75,6 +78,9 @@ from forgetrain.errors import ConfigError
 
 GIB = 2**30
 WORKSPACE_BYTES = 1 * GIB  # cuBLAS / cuDNN workspaces, one block's backward transients, compile scratch
+# engine.optimizer_offload_fraction: elements per chunk streamed through the device (the Hopper engine's
+# scenarios/_llama/optim.HostMoments reads it); 2 slots x 2 fp32 moments x 2^25 = 512 MiB of staging
+OFFLOAD_CHUNK_ELEMS = 1 << 25
 RESERVE_BYTES = 3 * GIB  # kept free of the estimate: CUDA context (~0.5 GiB) and allocator fragmentation
 FAKE_DEVICE_ENV = "FORGETRAIN_FAKE_DEVICE_GIB"  # capacity in GiB that stands in for the device's (tests)
 
@@ -155,6 +161,10 @@ def estimate(cfg) -> MemoryEstimate:
     acts += recomputed * tokens * h * a  # each recomputed layer's saved input
     if not fast:
         acts += live_layers * b * nq * s * s * (4 + a)
+    moments = 8 * n // (dp if p.zero_stage in (1, 3) else 1)
+    off = getattr(e, "optimizer_offload_fraction", 0.0) or 0.0
+    if off > 0:
+        moments = int(8 * n * (1 - off)) + 16 * min(OFFLOAD_CHUNK_ELEMS, V * h)
     chunk = min(e.ce_chunk_tokens or tokens, tokens)
     if ce == "chunked":
         head = chunk * V * 2 * a
@@ -168,7 +178,7 @@ def estimate(cfg) -> MemoryEstimate:
         model_weights=(a * (n - L * n_layer + live_copies * n_layer) if per_layer else a * n) // static_div,
         main_weights=(4 * n if bf16 else 0) // static_div,
         main_grads=4 * n // static_div,
-        adam_moments=8 * n // (dp if p.zero_stage in (1, 3) else 1),
+        adam_moments=moments,
         autograd_grads=grads // static_div,
         activations=acts,
         lm_head_ce=head,
@@ -220,7 +230,8 @@ def refusal(est: MemoryEstimate, capacity: int, where: str = "device") -> str | 
     return (f"this config needs an estimated {est.total_gib:.1f} GiB {per} (biggest parts: {parts}) but the "
             f"{where} has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; lower "
             f"train.micro_batch_size, set engine.grad_accum_fusion=true (fast mode), engine.recompute=full, "
-            f"engine.bf16_weights=per_layer (with recompute), shorten model.seq_length or "
+            f"engine.bf16_weights=per_layer (with recompute), engine.optimizer_offload_fraction, shorten "
+            f"model.seq_length or "
             f"use fewer model.num_layers (forgetrain/memory.py has the estimate; train.skip_memory_check=true "
             f"runs anyway)")
 

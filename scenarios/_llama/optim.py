@@ -128,57 +128,186 @@ def adamw_single(items, lr: float, t) -> None:
 
 
 @torch.no_grad()
-def adamw_groups(groups, lr: float, t, kernel: str, device: torch.device, default_step: float) -> None:
+def adamw_groups(groups, lr: float, t, kernel: str, device: torch.device, default_step: float,
+                 offload: "HostMoments | None" = None) -> None:
     """torch AdamW over ``groups`` = [(decayed, params, grads, states)] (one shared step count).
 
     Arithmetic by ``kernel`` (``kernels.adamw``) and device: ``fused`` on CUDA -> ``torch._fused_adamw_``;
     ``triton`` -> :func:`forgetrain.kernels.adamw_step`; otherwise torch's foreach path on CUDA and its
     single-tensor path elsewhere (each framework's default there). ``default_step`` is the step when no group
-    holds a state (a ZeRO-1 rank that owns no piece)."""
-    b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
+    holds a state (a ZeRO-1 rank that owns no piece). States whose moments live in host memory
+    (``offload``, :class:`HostMoments`) are streamed through the device chunk by chunk with the same arithmetic."""
     states = [st for _, _, _, sts in groups for st in sts]
     for st in states:
         st["step"] += 1.0
     step = states[0]["step"] if states else float(default_step)
     for decay, p, g, sts in groups:
+        if offload is not None:
+            host = [i for i, st in enumerate(sts) if offload.holds(st)]
+            if host:
+                offload.update([p[i] for i in host], [g[i] for i in host], [sts[i] for i in host], decay, step, lr,
+                               t, kernel, device)
+                keep = [i for i in range(len(p)) if i not in set(host)]
+                p, g, sts = [p[i] for i in keep], [g[i] for i in keep], [sts[i] for i in keep]
         if not p:
             continue
-        m = [st["exp_avg"] for st in sts]
-        v = [st["exp_avg_sq"] for st in sts]
-        wd = t.weight_decay if decay else 0.0
-        if kernel == "fused" and device.type == "cuda":
-            steps = [torch.tensor(step, device=device) for _ in p]
-            torch._fused_adamw_(p, g, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
-                                amsgrad=False, maximize=False)
-            continue
-        if kernel == "triton":
-            from forgetrain.kernels import adamw_step
+        adamw_apply(p, g, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], decay, step, lr, t,
+                    kernel, device)
 
-            adamw_step(p, g, m, v, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, wd=wd)
-            continue
-        if device.type != "cuda":  # torch's single-tensor path (its CPU default)
-            for pi, gi, mi, vi in zip(p, g, m, v):
-                if wd != 0:
-                    pi.mul_(1 - lr * wd)
-                mi.lerp_(gi, 1 - b1)
-                vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
-                denom = (vi.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps)
-                pi.addcdiv_(mi, denom, value=-(lr / (1 - b1 ** step)))
-            continue
-        # torch's foreach path (its CUDA default), same op sequence
-        if wd != 0:
-            torch._foreach_mul_(p, 1 - lr * wd)
-        torch._foreach_lerp_(m, g, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, g, g, 1 - b2)
-        bc1 = [1 - b1 ** step for _ in p]
-        bc2 = [1 - b2 ** step for _ in p]
-        step_size = [(lr / bc) * -1 for bc in bc1]
-        bc2_sqrt = [bc ** 0.5 for bc in bc2]
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bc2_sqrt)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(p, m, denom, step_size)
+
+@torch.no_grad()
+def adamw_apply(p, g, m, v, decay: bool, step: float, lr: float, t, kernel: str, device: torch.device) -> None:
+    """One AdamW update of the tensors ``p`` (in place) from ``g`` with moments ``m``, ``v`` (in place) at
+    ``step`` (already incremented), by ``kernel`` and device as :func:`adamw_groups` describes. Elementwise in
+    every form, so a slice of a tensor updates to the same bits as the whole tensor would."""
+    b1, b2, eps = t.adam_beta1, t.adam_beta2, t.adam_eps
+    wd = t.weight_decay if decay else 0.0
+    if kernel == "fused" and device.type == "cuda":
+        steps = [torch.tensor(step, device=device) for _ in p]
+        torch._fused_adamw_(p, g, m, v, [], steps, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                            amsgrad=False, maximize=False)
+        return
+    if kernel == "triton":
+        from forgetrain.kernels import adamw_step
+
+        adamw_step(p, g, m, v, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, wd=wd)
+        return
+    if device.type != "cuda":  # torch's single-tensor path (its CPU default)
+        for pi, gi, mi, vi in zip(p, g, m, v):
+            if wd != 0:
+                pi.mul_(1 - lr * wd)
+            mi.lerp_(gi, 1 - b1)
+            vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
+            denom = (vi.sqrt() / (1 - b2 ** step) ** 0.5).add_(eps)
+            pi.addcdiv_(mi, denom, value=-(lr / (1 - b1 ** step)))
+        return
+    # torch's foreach path (its CUDA default), same op sequence
+    if wd != 0:
+        torch._foreach_mul_(p, 1 - lr * wd)
+    torch._foreach_lerp_(m, g, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, 1 - b2)
+    bc1 = [1 - b1 ** step for _ in p]
+    bc2 = [1 - b2 ** step for _ in p]
+    step_size = [(lr / bc) * -1 for bc in bc1]
+    bc2_sqrt = [bc ** 0.5 for bc in bc2]
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, m, denom, step_size)
+
+
+class HostMoments:
+    """``engine.optimizer_offload_fraction``: the AdamW moments of some parameters live in host memory (pinned on
+    CUDA) and are streamed through the device for the update.
+
+    For each chunk of ``forgetrain.memory.OFFLOAD_CHUNK_ELEMS`` elements (the estimate counts its staging): its ``exp_avg`` and ``exp_avg_sq`` are copied into one
+    of two device staging slots, the same AdamW arithmetic as the resident states (:func:`adamw_apply`, the same
+    ``kernels.adamw`` form) updates the fp32 main weight slice in place on the device, and the moments go back to
+    the host. On CUDA the copies in and out run on two side streams (PCIe is full duplex), so chunk i+1 comes in
+    while chunk i is updated and chunk i-1 goes out; events order the slots' reuse. Every form of the update is
+    elementwise, so a chunk updates to the same bits as the whole tensor: declared bitwise
+    (``optimisations.yaml``).
+
+    Which parameters: :func:`offload_names` (the largest first, until the fraction of elements is reached).
+    ``state``: the engine's AdamW states by name; the chosen ones' moments are replaced by host tensors.
+    """
+
+    def __init__(self, state: dict[str, dict], names: list[str], device: torch.device):
+        self.device = device
+        cuda = device.type == "cuda"
+        self._ids = set()
+        for k in names:
+            st = state[k]
+            for key in ("exp_avg", "exp_avg_sq"):
+                dev = st[key]
+                host = torch.empty(dev.shape, dtype=dev.dtype, device="cpu", pin_memory=cuda)
+                host.copy_(dev)
+                st[key] = host
+            self._ids.add(id(st))
+        self.names = list(names)
+        from forgetrain.memory import OFFLOAD_CHUNK_ELEMS
+
+        n = max((state[k]["exp_avg"].numel() for k in names), default=0)
+        self.chunk = min(OFFLOAD_CHUNK_ELEMS, n)
+        self._stage = [(torch.empty(self.chunk, dtype=torch.float32, device=device),
+                        torch.empty(self.chunk, dtype=torch.float32, device=device)) for _ in range(2)] if n else []
+        if cuda:
+            self._h2d, self._d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the two staging slots."""
+        return sum(t.numel() * t.element_size() for slot in self._stage for t in slot)
+
+    def holds(self, st: dict) -> bool:
+        """Whether the AdamW state ``st`` has its moments in host memory."""
+        return id(st) in self._ids
+
+    def synchronize(self) -> None:
+        """Wait for every copy back to the host (before the host reads or writes the moments: a checkpoint saved or
+        loaded)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_stream(self._d2h)
+            self._d2h.synchronize()
+
+    @torch.no_grad()
+    def update(self, p, g, states, decay: bool, step: float, lr: float, t, kernel: str, device) -> None:
+        """AdamW on ``p`` (device fp32 main weights) from ``g`` with host moments ``states``, chunk by chunk
+        (class doc). Leaves the compute stream ordered after the last copy back."""
+        chunks = []
+        for pi, gi, st in zip(p, g, states):
+            pf, gf = pi.view(-1), gi.view(-1)
+            mf, vf = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+            for a in range(0, pf.numel(), self.chunk):
+                b = min(a + self.chunk, pf.numel())
+                chunks.append((pf[a:b], gf[a:b], mf[a:b], vf[a:b]))
+        if self.device.type != "cuda":
+            for i, (pc, gc, mh, vh) in enumerate(chunks):
+                sm, sv = (x[:pc.numel()] for x in self._stage[i % 2])
+                sm.copy_(mh), sv.copy_(vh)
+                adamw_apply([pc], [gc], [sm], [sv], decay, step, lr, t, kernel, device)
+                mh.copy_(sm), vh.copy_(sv)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        # the previous call's copies back read the same slots and write the same host moments
+        self._h2d.wait_stream(self._d2h)
+        loaded = [torch.cuda.Event(), torch.cuda.Event()]
+        done = [torch.cuda.Event(), torch.cuda.Event()]
+        freed: list = [None, None]
+        for i, (pc, gc, mh, vh) in enumerate(chunks):
+            s = i % 2
+            sm, sv = (x[:pc.numel()] for x in self._stage[s])
+            with torch.cuda.stream(self._h2d):
+                if freed[s] is not None:
+                    self._h2d.wait_event(freed[s])  # the slot's previous chunk is back on the host
+                sm.copy_(mh, non_blocking=True), sv.copy_(vh, non_blocking=True)
+                loaded[s].record(self._h2d)
+            compute.wait_event(loaded[s])
+            adamw_apply([pc], [gc], [sm], [sv], decay, step, lr, t, kernel, device)
+            done[s].record(compute)
+            with torch.cuda.stream(self._d2h):
+                self._d2h.wait_event(done[s])
+                mh.copy_(sm, non_blocking=True), vh.copy_(sv, non_blocking=True)
+                freed[s] = torch.cuda.Event()
+                freed[s].record(self._d2h)
+        compute.wait_stream(self._d2h)
+
+
+def offload_names(sizes: dict[str, int], fraction: float) -> list[str]:
+    """The parameters whose moments go to host memory under ``engine.optimizer_offload_fraction``: by size,
+    largest first (ties in ``sizes`` order), until at least ``fraction`` of all elements is chosen (0: none,
+    1: all). ``sizes``: name -> element count."""
+    if fraction <= 0:
+        return []
+    total = sum(sizes.values())
+    chosen, n = [], 0
+    for k in sorted(sizes, key=lambda k: -sizes[k]):
+        if n >= fraction * total:
+            break
+        chosen.append(k)
+        n += sizes[k]
+    return chosen
 
 
 def state_to_dict(adam_state: dict[str, dict]) -> dict[str, dict]:

@@ -23,6 +23,10 @@ backward instead of storing its activations; with it, ``engine.bf16_weights=per_
 layers between steps (their parameters are the fp32 main weights; ``scenarios/_llama/recompute.py``). The
 ``llama8b_h200`` scenario needs both to fit full-depth Llama-3-8B on one H200.
 
+``engine.optimizer_offload_fraction=F`` keeps the AdamW moments of the largest tensors (at least F of the
+elements) in host memory and streams them through the GPU, chunk by chunk, for the update
+(``scenarios/_llama/optim.HostMoments``; declared bitwise). On one H200 it frees room for stored activations.
+
 Data parallelism (``parallel.data_parallel_size > 1``, under torchrun): the fp32 ``main_grad`` tensors are views
 of one flat buffer laid out as Megatron's DDP lays out its fp32 grad buffer (reverse registration order, one
 bucket: ``scenarios/_llama/parallel.GradBuffer``); after the last micro-batch the buffer is scaled by 1/DP
@@ -66,6 +70,7 @@ class Engine:
     }
     supports_recompute = True  # engine.recompute=full and engine.bf16_weights=per_layer (scenarios/_llama/recompute)
     supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N layers only
+    supports_optimizer_offload = True  # engine.optimizer_offload_fraction (scenarios/_llama/optim.HostMoments)
 
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)
@@ -128,6 +133,11 @@ class Engine:
         else:
             self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
             self.adam_state = optim.fresh_state(self.main)
+        self.offload = None
+        if self.opts.optimizer_offload_fraction > 0:  # AdamW moments in host memory (optim.HostMoments)
+            names = optim.offload_names({k: v.numel() for k, v in self.main.items()},
+                                        self.opts.optimizer_offload_fraction)
+            self.offload = optim.HostMoments(self.adam_state, names, self.device)
         if self.fusion:  # under DP these are views of the flat buffer: the GEMMs write into it directly
             self._fused = self.model.attach_main_grad(self.main_grad)
         if self.opts.recompute == "full":
@@ -154,6 +164,7 @@ class Engine:
         activation recompute (and how many layers it covers; None: all) and where the layers' bf16 weights live."""
         return {"grad_accum_fusion": self.grad_accum_path, "recompute": self.opts.recompute,
                 "recompute_num_layers": self.opts.recompute_num_layers,
+                "optimizer_offload_fraction": self.opts.optimizer_offload_fraction,
                 "bf16_weights": self.opts.bf16_weights if self.bf16 else None}
 
     def _setup_dp_buffer(self) -> None:
@@ -318,7 +329,8 @@ class Engine:
     def _adamw_groups(self, groups, lr: float) -> None:
         """AdamW over ``[(decayed, params, grads, states)]`` with the ``kernels.adamw`` arithmetic
         (:func:`scenarios._llama.optim.adamw_groups`)."""
-        optim.adamw_groups(groups, lr, self.tcfg, self.kernels.adamw, self.device, self.completed_steps + 1)
+        optim.adamw_groups(groups, lr, self.tcfg, self.kernels.adamw, self.device, self.completed_steps + 1,
+                           offload=self.offload)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:
@@ -346,6 +358,8 @@ class Engine:
         if self.zero1:
             opt = optim.gather_zero1_state(self.ddp, self._m_shard, self._v_shard, self.main, self.completed_steps)
         else:
+            if self.offload is not None:
+                self.offload.synchronize()  # the host moments' last copies back have landed
             opt = optim.state_to_dict(self.adam_state)
         return {"main": dict(self.main), "optimizer": opt,
                 "completed_steps": torch.tensor(self.completed_steps, dtype=torch.int64)}
@@ -358,6 +372,8 @@ class Engine:
             if self.zero1:
                 optim.load_zero1_state(self.ddp, self.adam_state, state["optimizer"])
             else:
+                if self.offload is not None:
+                    self.offload.synchronize()
                 for k, st in state["optimizer"].items():
                     self.adam_state[k]["step"] = float(st["step"])
                     self.adam_state[k]["exp_avg"].copy_(st["exp_avg"])

@@ -14,6 +14,10 @@
 #           A side that runs out of memory is reported as such by the bench (the answer "none fits" is a result).
 #   PART=e  the recompute knob: the forged engine alone at global batch 8, engine.recompute_num_layers 32, 30, 28
 #           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
+#   PART=f  the optimizer offload (AdamW moments in pinned host memory, streamed through the GPU): the forged
+#           engine alone at global batch 8 with no recompute and resident bf16 weights, at
+#           engine.optimizer_offload_fraction 1.0 (estimate 112.4 GiB) and 0.65 (133.3 GiB); then the bitwise check
+#           of offload 1.0 against no offload at 2 layers (exact mode vs Megatron-core). About 9 min.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
 #   layer 1 stored).
 #   run: PART=a bash scripts/device/call16_llama8b_h200.sh   (carry [".whl"]; PART=c carries [".whl", ".whl_sides"])
@@ -69,6 +73,20 @@ e)
       engine.recompute_num_layers=$n train.deterministic=false bench.out_dir=/tmp/b16e$n 2>&1 | filt 12
     cp /tmp/b16e$n/bench.json $OUT/call16_bench_recompute_layers_$n.json 2>/dev/null
   done
+  ;;
+f)
+  for fr in 1.0 0.65; do
+    echo "$(ts) == bench: forged alone, engine.optimizer_offload_fraction=$fr, no recompute, GBS 8 ($(left) s left)"
+    timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
+      engine.recompute=none engine.bf16_weights=resident engine.optimizer_offload_fraction=$fr \
+      train.deterministic=false bench.out_dir=/tmp/b16f$fr 2>&1 | filt 12
+    cp /tmp/b16f$fr/bench.json $OUT/call16_bench_offload_$fr.json 2>/dev/null
+  done
+  echo "$(ts) == exact mode, optimizer offload 1.0: bitwise vs Megatron-core ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
+    engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
+    engine.optimizer_offload_fraction=1.0 verify.steps=6 verify.out_dir=/tmp/v16f 2>&1 | filt 6
+  cp /tmp/v16f/verdict.json $OUT/call16_exact_offload_bitwise_verdict.json 2>/dev/null
   ;;
 esac
 echo "$(ts) done"
