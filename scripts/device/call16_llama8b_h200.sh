@@ -16,8 +16,9 @@
 #           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
 #   PART=f  the optimizer offload (AdamW moments in pinned host memory, streamed through the GPU): the forged
 #           engine alone at global batch 8 with no recompute and resident bf16 weights, at
-#           engine.optimizer_offload_fraction 1.0 (estimate 112.4 GiB) and 0.65 (133.3 GiB); then the bitwise check
-#           of offload 1.0 against no offload at 2 layers (exact mode vs Megatron-core). About 9 min.
+#           engine.optimizer_offload_fraction FR (default 1.0: estimate 112.4 GiB; FR=0.65: 133.3 GiB, a second
+#           call); then, unless NOVERIFY=1, exact mode with offload 1.0 at the bitwise tier vs Megatron-core at 2
+#           layers. About 6 min.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
 #   layer 1 stored).
 #   run: PART=a bash scripts/device/call16_llama8b_h200.sh   (carry [".whl"]; PART=c carries [".whl", ".whl_sides"])
@@ -75,13 +76,14 @@ e)
   done
   ;;
 f)
-  for fr in 1.0 0.65; do
+  for fr in ${FR:-1.0}; do
     echo "$(ts) == bench: forged alone, engine.optimizer_offload_fraction=$fr, no recompute, GBS 8 ($(left) s left)"
     timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
       engine.recompute=none engine.bf16_weights=resident engine.optimizer_offload_fraction=$fr \
       train.deterministic=false bench.out_dir=/tmp/b16f$fr 2>&1 | filt 12
     cp /tmp/b16f$fr/bench.json $OUT/call16_bench_offload_$fr.json 2>/dev/null
   done
+  [ -n "${NOVERIFY:-}" ] && { echo "$(ts) done"; exit 0; }
   echo "$(ts) == exact mode, optimizer offload 1.0: bitwise vs Megatron-core ($(left) s left)"
   timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
     engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
