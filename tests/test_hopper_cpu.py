@@ -159,3 +159,8 @@ def test_hopper_rejects_layouts_it_does_not_implement():
         bad = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **par))
         with pytest.raises(ConfigError, match="only data parallelism"):
             Hopper(bad, "cpu")
+    # its DP buffer reduces once after the last micro-batch: an overlap or a bucket size would be silently ignored
+    for par in ({"overlap_grad_reduce": True}, {"bucket_size": 1000}):
+        bad = dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **par))
+        with pytest.raises(ConfigError, match="reduces the gradients once, after the last micro-batch"):
+            Hopper(bad, "cpu")

@@ -56,7 +56,8 @@ class Engine:
     Parts: ``model`` (``fast.FastLlama`` or the exact ``_llama.model.Llama``), ``par``
     (:class:`~scenarios._llama.parallel.ParallelState`), ``ddp`` (the flat fp32 grad buffer under DP / ZeRO-1,
     else None), ``main`` / ``main_grad`` (fp32 main weights and gradients by forged name) and ``adam_state``.
-    Raises ConfigError for TP > 1 or ZeRO stages other than 0 and 1.
+    Raises ConfigError for TP > 1, ZeRO stages other than 0 and 1, or ``parallel.overlap_grad_reduce`` /
+    ``parallel.bucket_size`` (its DP buffer is reduced once, after the last micro-batch).
     """
 
     # Kernel switches honoured (forgetrain/kernels/switches.py): engine.mode[/device] -> non-default values.
@@ -83,6 +84,11 @@ class Engine:
             raise ConfigError(f"{cfg.scenario.name}: the Hopper engine implements only data parallelism "
                               f"(parallel.zero_stage 0 or 1, TP=1); got TP={tp_size} zero_stage={zero_stage} "
                               f"(llama_tiny_cpu has TP and FSDP2)")
+        if self.pcfg.overlap_grad_reduce or self.pcfg.bucket_size is not None:
+            raise ConfigError(f"{cfg.scenario.name}: the Hopper engine reduces the gradients once, after the last "
+                              f"micro-batch (one bucket); parallel.overlap_grad_reduce and parallel.bucket_size are "
+                              f"not implemented here (llama_tiny_cpu has them); got overlap_grad_reduce="
+                              f"{self.pcfg.overlap_grad_reduce}, bucket_size={self.pcfg.bucket_size}")
         self.par = ParallelState.build(self.pcfg)
         self.dp_size, self.zero_stage = self.par.dp_size, self.par.zero_stage
         self.ddp: GradBuffer | None = None
