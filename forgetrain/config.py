@@ -468,6 +468,10 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if not reference and cfg.engine.recompute != "none" and not getattr(engine_cls, "supports_recompute", False):
         raise ConfigError(f"engine.recompute={cfg.engine.recompute} is not implemented by engine "
                           f"{cfg.scenario.engine}; set engine.recompute=none")
+    if (not reference and cfg.engine.recompute_num_layers is not None
+            and not getattr(engine_cls, "supports_recompute_num_layers", False)):
+        raise ConfigError(f"engine.recompute_num_layers is not implemented by engine {cfg.scenario.engine}; "
+                          f"set it to null (every layer)")
     if not reference and off > 0 and not getattr(engine_cls, "supports_optimizer_offload", False):
         raise ConfigError(f"engine.optimizer_offload_fraction is not implemented by engine {cfg.scenario.engine}; "
                           f"set it to 0")

@@ -220,6 +220,18 @@ def test_an_engine_without_recompute_refuses_it():
         validate(c)
 
 
+def test_an_engine_without_block_recompute_refuses_it():
+    """An engine that recomputes every layer but does not declare ``supports_recompute_num_layers`` would ignore
+    the option: it is refused instead."""
+    class EveryLayer(Hopper):
+        supports_recompute_num_layers = False
+
+    c = _cfg_for("exact", recompute="full", recompute_num_layers=1)
+    validate(c, engine_cls=Hopper)
+    with pytest.raises(ConfigError, match="engine.recompute_num_layers is not implemented by engine"):
+        validate(c, engine_cls=EveryLayer)
+
+
 def test_a_reference_run_ignores_the_candidate_memory_layout():
     """The tolerance tier's fp32 oracle is a reference run of the candidate's config at fp32: engine.* options do
     not apply to a reference, so per-layer weights must not refuse it."""
