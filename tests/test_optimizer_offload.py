@@ -151,3 +151,13 @@ def test_estimate_frees_the_offloaded_moments():
     assert base.adam_moments == 8 * n
     assert off.adam_moments == staging
     assert off.total_bytes == base.total_bytes - 8 * n + staging
+
+
+def test_offloaded_moments_are_never_made_on_the_device():
+    """The moments of the chosen tensors are created in host memory (at 8B a device copy first would be a 64 GB
+    transient); a state whose moments are still on the device is refused."""
+    made = optim.fresh_state({"a": torch.ones(3), "b": torch.ones(2)}, host=["a"])
+    assert made["a"]["exp_avg"].device.type == "cpu" and torch.equal(made["a"]["exp_avg_sq"], torch.zeros(3))
+    with pytest.raises(ValueError, match="offloaded moment a.exp_avg is on meta"):
+        optim.HostMoments({"a": {"step": 0.0, "exp_avg": torch.empty(3, device="meta"),
+                                 "exp_avg_sq": torch.empty(3, device="meta")}}, ["a"], torch.device("cpu"))

@@ -18,10 +18,16 @@ from .model import TP1, TPGroup
 CLIP_EPS = 1.0e-6  # Megatron's clip_grad_by_total_norm_fp32: coeff = max_norm / (total_norm + 1e-6)
 
 
-def fresh_state(params: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Zero AdamW state for every tensor of ``params`` (``step`` 0.0, moments shaped like the tensor)."""
-    return {k: {"step": 0.0, "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
-            for k, v in params.items()}
+def fresh_state(params: dict[str, torch.Tensor], host: tuple | list = (), pin: bool = False) -> dict[str, dict]:
+    """Zero AdamW state for every tensor of ``params`` (``step`` 0.0, moments shaped like the tensor, on its
+    device). The names in ``host`` get their moments in host memory instead (page-locked with ``pin``: the
+    optimizer offload, :class:`HostMoments`), never allocated on the device."""
+    def zeros(k, v):
+        if k in host:
+            return torch.zeros(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
+        return torch.zeros_like(v)
+
+    return {k: {"step": 0.0, "exp_avg": zeros(k, v), "exp_avg_sq": zeros(k, v)} for k, v in params.items()}
 
 
 def shard_state(ddp, device: torch.device, step: float):
@@ -201,8 +207,8 @@ class HostMoments:
     """``engine.optimizer_offload_fraction``: the AdamW moments of some parameters live in host memory (pinned on
     CUDA) and are streamed through the device for the update.
 
-    For each chunk of ``forgetrain.memory.OFFLOAD_CHUNK_ELEMS`` elements (the estimate counts its staging): its ``exp_avg`` and ``exp_avg_sq`` are copied into one
-    of two device staging slots, the same AdamW arithmetic as the resident states (:func:`adamw_apply`, the same
+    For each chunk of ``forgetrain.memory.OFFLOAD_CHUNK_ELEMS`` elements (the estimate counts its staging): its
+    ``exp_avg`` and ``exp_avg_sq`` are copied into one of two device staging slots, the same AdamW arithmetic as the resident states (:func:`adamw_apply`, the same
     ``kernels.adamw`` form) updates the fp32 main weight slice in place on the device, and the moments go back to
     the host. On CUDA the copies in and out run on two side streams (PCIe is full duplex), so chunk i+1 comes in
     while chunk i is updated and chunk i-1 goes out; events order the slots' reuse. Every form of the update is
@@ -210,21 +216,20 @@ class HostMoments:
     (``optimisations.yaml``).
 
     Which parameters: :func:`offload_names` (the largest first, until the fraction of elements is reached).
-    ``state``: the engine's AdamW states by name; the chosen ones' moments are replaced by host tensors.
+    ``state``: the engine's AdamW states by name, the chosen ones' moments already in host memory
+    (:func:`fresh_state` with ``host=names``, pinned on CUDA). Raises ValueError for a chosen moment that is not.
     """
 
     def __init__(self, state: dict[str, dict], names: list[str], device: torch.device):
         self.device = device
         cuda = device.type == "cuda"
-        self._ids = set()
         for k in names:
-            st = state[k]
             for key in ("exp_avg", "exp_avg_sq"):
-                dev = st[key]
-                host = torch.empty(dev.shape, dtype=dev.dtype, device="cpu", pin_memory=cuda)
-                host.copy_(dev)
-                st[key] = host
-            self._ids.add(id(st))
+                t = state[k][key]
+                if t.device.type != "cpu" or (cuda and not t.is_pinned()):
+                    raise ValueError(f"offloaded moment {k}.{key} is on {t.device} (pinned: {t.is_pinned()}); "
+                                     f"make the state with fresh_state(host=names, pin=<on CUDA>)")
+        self._ids = {id(state[k]) for k in names}
         self.names = list(names)
         from forgetrain.memory import OFFLOAD_CHUNK_ELEMS
 

@@ -134,20 +134,24 @@ class Engine:
         else:
             self.main = {k: p.data for k, p in named.items()}
         self.completed_steps = 0
+        # engine.optimizer_offload_fraction: these moments are made in (pinned) host memory, never on the device
+        self._host_moments = optim.offload_names({k: v.numel() for k, v in self.main.items()},
+                                                 self.opts.optimizer_offload_fraction)
         if self.dp_size > 1 or self.zero_stage == 1:
             self._setup_dp_buffer()  # also shards the AdamW state under ZeRO-1
         else:
             self.main_grad = {k: torch.zeros_like(v) for k, v in self.main.items()}
-            self.adam_state = optim.fresh_state(self.main)
+            self.adam_state = self._fresh_state()
         self.offload = None
-        if self.opts.optimizer_offload_fraction > 0:  # AdamW moments in host memory (optim.HostMoments)
-            names = optim.offload_names({k: v.numel() for k, v in self.main.items()},
-                                        self.opts.optimizer_offload_fraction)
-            self.offload = optim.HostMoments(self.adam_state, names, self.device)
+        if self._host_moments:  # AdamW moments in host memory (optim.HostMoments)
+            self.offload = optim.HostMoments(self.adam_state, self._host_moments, self.device)
         if self.fusion:  # under DP these are views of the flat buffer: the GEMMs write into it directly
             self._fused = self.model.attach_main_grad(self.main_grad)
         if self.opts.recompute == "full":
             self._attach_runner()
+
+    def _fresh_state(self) -> dict:
+        return optim.fresh_state(self.main, host=self._host_moments, pin=self.device.type == "cuda")
 
     def _attach_runner(self) -> None:
         """``engine.recompute=full``: the model runs its layers through a :class:`recompute.LayerRunner`, with
@@ -191,7 +195,7 @@ class Engine:
             self._m_shard, self._v_shard, self.adam_state = optim.shard_state(self.ddp, self.device,
                                                                               self.completed_steps)
         else:
-            self.adam_state = optim.fresh_state(self.main)
+            self.adam_state = self._fresh_state()
 
     def _sync_model_from_main(self) -> None:
         if self.bf16:
