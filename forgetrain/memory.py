@@ -19,7 +19,8 @@ main_grads         4 * N                          (fp32 ``main_grad``; not shard
 adam_moments       8 * N / DP under ZeRO-1, else 8 * N (fp32 exp_avg and exp_avg_sq);
                    ``engine.optimizer_offload_fraction=F``: 8 * N * (1 - F) on the device (an upper bound: whole
                    tensors go to the host until at least F of the elements have) plus the staging,
-                   16 * min(:data:`OFFLOAD_CHUNK_ELEMS`, V*h) (the largest tensor is the embedding or LM head)
+                   16 * min(:data:`OFFLOAD_CHUNK_ELEMS`, P), P the largest parameter's elements (the largest is
+                   offloaded first): max(V*h, 2*f*h, (nq + 2*nkv)*d*h), the embedding and LM head, fc1 or QKV
 autograd_grads     a * N unfused (per_layer: a * (N - L*N_layer + N_layer)); with ``engine.grad_accum_fusion`` only the norm weights' a * (2L+1) * h
                    (plus the LM head's a * V * h under ``kernels.cross_entropy=triton``, which keeps it on autograd)
 activations        L * T * [a * (4h + 2*nq*d + 2*nkv*d + 3f) + 4*nq]  +  2 * a * T * h          (fast mode);
@@ -164,7 +165,8 @@ def estimate(cfg) -> MemoryEstimate:
     moments = 8 * n // (dp if p.zero_stage in (1, 3) else 1)
     off = getattr(e, "optimizer_offload_fraction", 0.0) or 0.0
     if off > 0:
-        moments = int(8 * n * (1 - off)) + 16 * min(OFFLOAD_CHUNK_ELEMS, V * h)
+        largest = max(V * h, 2 * f * h, (nq + 2 * nkv) * d * h)  # embedding / LM head, fc1 [2f, h], QKV
+        moments = int(8 * n * (1 - off)) + 16 * min(OFFLOAD_CHUNK_ELEMS, largest)
     chunk = min(e.ce_chunk_tokens or tokens, tokens)
     if ce == "chunked":
         head = chunk * V * 2 * a
