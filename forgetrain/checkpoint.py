@@ -190,10 +190,18 @@ def prune(ckpt_root: str | os.PathLike, keep: int = 2) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def to_cpu_tree(x):
-    """Detach/clone every tensor of a nested dict to CPU (for templates that must not alias live state)."""
+def to_cpu_tree(x, share_pinned: bool = False):
+    """Detach/clone every tensor of a nested dict to CPU (for templates that must not alias live state).
+
+    ``share_pinned``: page-locked host tensors are kept as they are, so a load writes them in place. These are an
+    engine's state that already lives in host memory (the Hopper engine's offloaded AdamW moments: 64 GB at 8B,
+    which a copy would double on a 128 GiB host). The resume may do this safely: :func:`load_newest_good` ends
+    either with a load that wrote every key (a partial write by a damaged newer checkpoint is overwritten) or
+    with CheckpointError, which ends the run."""
     if isinstance(x, dict):
-        return {k: to_cpu_tree(v) for k, v in x.items()}
+        return {k: to_cpu_tree(v, share_pinned) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
+        if share_pinned and x.device.type == "cpu" and x.is_pinned():
+            return x.detach()
         return x.detach().cpu().clone()
     return x

@@ -348,7 +348,7 @@ def _resume(run: _Run) -> None:
     if checkpoint.latest(ckpt_root) is None:
         raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
     state, harness, last, skipped = checkpoint.load_newest_good(
-        ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict()))
+        ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict(), share_pinned=True))
     for why in skipped:
         log.warning("skipping a damaged checkpoint, %s", why)
         if env.rank == 0:

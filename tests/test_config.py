@@ -129,3 +129,18 @@ def test_quiet_libraries_keeps_the_users_own_future_warnings():
     assert p.returncode == 0, p.stderr
     shown = [ln for ln in p.stderr.splitlines() if "FutureWarning" in ln]
     assert len(shown) == 2 and "scenarios.my_engine" in shown[0] and "__main__" in shown[1], p.stderr
+
+
+def test_every_yaml_file_of_the_project_parses():
+    """A YAML file that does not parse fails only the tests that happen to read it (an unquoted ``N: `` inside an
+    optimisations.yaml value did, 2026-12-02); this reads them all."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    files = [p for d in ("conf", "scenarios", "references", ".ci") for p in (root / d).rglob("*.y*ml")
+             if "goldens" not in p.parts]
+    assert any(p.name == "optimisations.yaml" for p in files)
+    for p in files:
+        yaml.safe_load(p.read_text())

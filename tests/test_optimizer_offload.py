@@ -162,3 +162,28 @@ def test_offloaded_moments_are_never_made_on_the_device():
     with pytest.raises(ValueError, match="offloaded moment a.exp_avg is on meta"):
         optim.HostMoments({"a": {"step": 0.0, "exp_avg": torch.empty(3, device="meta"),
                                  "exp_avg_sq": torch.empty(3, device="meta")}}, ["a"], torch.device("cpu"))
+
+
+def test_resume_loads_host_moments_in_place_and_survives_a_damaged_newer_checkpoint(tmp_path, monkeypatch):
+    """The resume template shares page-locked host tensors (the offloaded moments) instead of copying them: at 8B
+    a copy would add 64 GB of host memory. A damaged newer checkpoint may write part of them; the older good one
+    then rewrites every key."""
+    from forgetrain import checkpoint
+
+    live = {"m": torch.zeros(4), "w": torch.zeros(3)}
+    pinned = live["m"].data_ptr()
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: self.data_ptr() == pinned)  # no CUDA here
+    tree = checkpoint.to_cpu_tree(live, share_pinned=True)
+    assert tree["m"].data_ptr() == pinned and tree["w"].data_ptr() != live["w"].data_ptr()
+    assert checkpoint.to_cpu_tree(live)["m"].data_ptr() != pinned  # the default still copies everything
+
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, 1, {"m": torch.full((4,), 1.0), "w": torch.full((3,), 1.0)}, {"step": 1})
+    checkpoint.save(root, 2, {"m": torch.full((4,), 2.0), "w": torch.full((3,), 2.0)}, {"step": 2})
+    for f in (root / "step_000002").glob("*.distcp"):  # keep the metadata, damage the data
+        f.write_bytes(f.read_bytes()[:10])
+    state, harness, path, skipped = checkpoint.load_newest_good(
+        root, lambda: checkpoint.to_cpu_tree(live, share_pinned=True))
+    assert path.name == "step_000001" and len(skipped) == 1 and harness["step"] == 1
+    assert torch.equal(live["m"], torch.full((4,), 1.0)) and state["m"].data_ptr() == pinned
+    assert torch.equal(state["w"], torch.full((3,), 1.0))
