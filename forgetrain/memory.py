@@ -221,21 +221,45 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def refusal(est: MemoryEstimate, capacity: int, where: str = "device") -> str | None:
+def remedies(cfg, where: str = "device") -> list[str]:
+    """The settings that would lower :func:`estimate` for ``cfg`` and are not in effect yet, in the order the
+    refusal names them: a smaller micro-batch, gradient accumulation fusion (fast mode), recompute (then per-layer
+    bf16 weights, or fewer stored layers), the optimizer offload (only where the capacity is a GPU's: on the host
+    it moves nothing), a shorter sequence, fewer layers."""
+    e, t = cfg.engine, cfg.train
+    out = []
+    if t.micro_batch_size > 1:
+        out.append("lower train.micro_batch_size")
+    if e.mode == "fast" and not e.grad_accum_fusion:
+        out.append("set engine.grad_accum_fusion=true")
+    if e.recompute != "full":
+        out.append("set engine.recompute=full")
+    elif e.recompute_num_layers is not None and e.recompute_num_layers < cfg.model.num_layers:
+        out.append("raise engine.recompute_num_layers (or null: every layer)")
+    if t.precision == "bf16" and e.bf16_weights != "per_layer":
+        out.append("set engine.bf16_weights=per_layer (with recompute)")
+    if where == "device" and (e.optimizer_offload_fraction or 0) < 1:
+        out.append("raise engine.optimizer_offload_fraction")
+    out.append("shorten model.seq_length or use fewer model.num_layers")
+    return out
+
+
+def refusal(est: MemoryEstimate, capacity: int, where: str = "device", cfg=None) -> str | None:
     """The one-line refusal when ``est`` exceeds ``capacity`` (bytes) of ``where`` (the device, or the host's
-    memory on CPU) less :data:`RESERVE_BYTES`, else None."""
+    memory on CPU) less :data:`RESERVE_BYTES`, else None. With ``cfg`` it names only the :func:`remedies` not
+    yet in effect."""
     usable = capacity - RESERVE_BYTES
     if est.total_bytes <= usable:
         return None
     parts = ", ".join(f"{LABELS[k]} {v / GIB:.1f} GiB ({v / 1e9:.1f} GB)" for k, v in est.biggest(3))
     per = "per GPU" if where == "device" else "on this machine"
+    todo = remedies(cfg, where) if cfg is not None else [
+        "lower train.micro_batch_size", "set engine.grad_accum_fusion=true", "set engine.recompute=full",
+        "set engine.bf16_weights=per_layer", "raise engine.optimizer_offload_fraction",
+        "shorten model.seq_length or use fewer model.num_layers"]
     return (f"this config needs an estimated {est.total_gib:.1f} GiB {per} (biggest parts: {parts}) but the "
-            f"{where} has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; lower "
-            f"train.micro_batch_size, set engine.grad_accum_fusion=true (fast mode), engine.recompute=full, "
-            f"engine.bf16_weights=per_layer (with recompute), engine.optimizer_offload_fraction, shorten "
-            f"model.seq_length or "
-            f"use fewer model.num_layers (forgetrain/memory.py has the estimate; train.skip_memory_check=true "
-            f"runs anyway)")
+            f"{where} has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; "
+            f"{'; '.join(todo)} (forgetrain/memory.py has the estimate; train.skip_memory_check=true runs anyway)")
 
 
 def check(cfg) -> None:
@@ -248,6 +272,6 @@ def check(cfg) -> None:
     if capacity is None:
         return
     host = cfg.hardware.device == "cpu" and not os.environ.get(FAKE_DEVICE_ENV)
-    line = refusal(estimate(cfg), capacity, "host memory" if host else "device")
+    line = refusal(estimate(cfg), capacity, "host memory" if host else "device", cfg)
     if line:
         raise ConfigError(line)

@@ -109,7 +109,8 @@ def test_llama3_8b_full_depth_refused_on_h200(monkeypatch):
     assert f"estimated {e.total_gib:.1f} GiB" in msg
     assert "Adam m and v 59.8 GiB (64.2 GB)" in msg and "fp32 main weights 29.9 GiB (32.1 GB)" in msg
     assert "activations" in msg  # the three biggest: Adam, activations, fp32 main weights
-    assert "139.0 GiB" in msg and "train.micro_batch_size" in msg and "engine.grad_accum_fusion" in msg
+    assert "139.0 GiB" in msg and "engine.grad_accum_fusion" in msg  # only what is not in effect yet
+    assert ("train.micro_batch_size" in msg) == (cfg.train.micro_batch_size > 1)
     assert "model.seq_length" in msg and "model.num_layers" in msg
     # the override skips it; a device large enough passes it
     memory.check(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, skip_memory_check=True)))
@@ -232,3 +233,25 @@ def test_block_recompute_estimate_by_hand(monkeypatch):
     memory.check(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute_num_layers=L - 4)))
     with pytest.raises(ConfigError, match="this config needs an estimated"):
         memory.check(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute_num_layers=0)))
+
+
+def test_refusal_names_only_the_remedies_not_yet_in_effect(monkeypatch):
+    """The 8B scenario on a CPU host already has recompute, per-layer weights and fusion on, and offload moves
+    nothing on the host: the refusal must not suggest them. On a too-small GPU it suggests the offload."""
+    cfg = _compose(["scenario=llama8b_h200"])
+    cpu = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, device="cpu"))
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 24 * GIB)
+    with pytest.raises(ConfigError) as e:
+        memory.check(cpu)
+    msg = str(e.value)
+    assert "host memory has 24.0 GiB" in msg
+    for done in ("recompute=full", "per_layer", "grad_accum_fusion", "optimizer_offload", "micro_batch_size"):
+        assert done not in msg, (done, msg)
+    assert "shorten model.seq_length or use fewer model.num_layers" in msg
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "100")
+    with pytest.raises(ConfigError, match="raise engine.optimizer_offload_fraction"):
+        memory.check(cfg)
+    plain = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute="none",
+                                                                bf16_weights="resident", grad_accum_fusion=False))
+    with pytest.raises(ConfigError, match="set engine.grad_accum_fusion=true; set engine.recompute=full"):
+        memory.check(plain)
