@@ -241,10 +241,10 @@ def test_a_reference_run_ignores_the_candidate_memory_layout():
         validate(c, engine_cls=Hopper)
 
 
-def check_resumes_bitwise(cfg) -> Hopper:
+def check_resumes_bitwise(cfg, resume_cfg=None) -> Hopper:
     """Raises AssertionError unless saving the Hopper engine's state after 2 of 3 steps (what the DCP checkpoint
-    holds) and loading it into a fresh engine resumes to the same losses and weights as an uninterrupted run.
-    Returns the uninterrupted engine."""
+    holds) and loading it into a fresh engine (built from ``resume_cfg``, default ``cfg``) resumes to the same
+    losses and weights as an uninterrupted run. Returns the uninterrupted engine."""
     init = Hopper(cfg, "cpu").export_hf_weights()
     torch.manual_seed(1)
     mbs = [[torch.randint(0, 256, (2, 33)) for _ in range(2)] for _ in range(3)]
@@ -258,7 +258,7 @@ def check_resumes_bitwise(cfg) -> Hopper:
     def clone(x):
         return {k: clone(v) for k, v in x.items()} if isinstance(x, dict) else x.clone()
 
-    resumed = Hopper(cfg, "cpu")
+    resumed = Hopper(resume_cfg or cfg, "cpu")
     resumed.load_state_dict(clone(first.state_dict()))
     tail = [resumed.train_step(mbs[2]).loss]
     assert head + tail == losses
