@@ -146,10 +146,9 @@ def estimate(cfg) -> MemoryEstimate:
     n_layer = (n - 2 * V * h - h) // L  # one decoder layer's parameters (metrics.param_counts' sum, untied head)
     rnl = getattr(e, "recompute_num_layers", None)
     recomputed = (L if rnl is None else rnl) if recompute else 0  # the first `recomputed` layers
-    # layers holding their activations at the loss: the stored ones, plus the one being recomputed
+    # layers holding their activations (and, per-layer, their bf16 working copies) at the loss: the stored ones,
+    # which keep both until their backward, plus the one being recomputed
     live_layers = (L - recomputed) + (1 if recomputed else 0)
-    # per-layer bf16 working copies alive at once: the stored layers keep theirs until their backward
-    live_copies = (L - recomputed) + (1 if recomputed else 0)
     if fused:
         grads = a * (2 * L + 1) * h + (a * V * h if ce == "triton" else 0)
     elif per_layer:  # the layers' bf16 grads exist one layer at a time, in its recompute
@@ -177,7 +176,7 @@ def estimate(cfg) -> MemoryEstimate:
     else:
         head = tokens * V * 12
     return MemoryEstimate(
-        model_weights=(a * (n - L * n_layer + live_copies * n_layer) if per_layer else a * n) // static_div,
+        model_weights=(a * (n - L * n_layer + live_layers * n_layer) if per_layer else a * n) // static_div,
         main_weights=(4 * n if bf16 else 0) // static_div,
         main_grads=4 * n // static_div,
         adam_moments=moments,
@@ -244,19 +243,16 @@ def remedies(cfg, where: str = "device") -> list[str]:
     return out
 
 
-def refusal(est: MemoryEstimate, capacity: int, where: str = "device", cfg=None) -> str | None:
-    """The one-line refusal when ``est`` exceeds ``capacity`` (bytes) of ``where`` (the device, or the host's
-    memory on CPU) less :data:`RESERVE_BYTES`, else None. With ``cfg`` it names only the :func:`remedies` not
-    yet in effect."""
+def refusal(est: MemoryEstimate, capacity: int, where: str, cfg) -> str | None:
+    """The one-line refusal when ``est`` (the estimate of ``cfg``) exceeds ``capacity`` (bytes) of ``where`` (the
+    device, or the host's memory on CPU) less :data:`RESERVE_BYTES`, else None. It names the :func:`remedies`
+    not yet in effect for ``cfg``."""
     usable = capacity - RESERVE_BYTES
     if est.total_bytes <= usable:
         return None
     parts = ", ".join(f"{LABELS[k]} {v / GIB:.1f} GiB ({v / 1e9:.1f} GB)" for k, v in est.biggest(3))
     per = "per GPU" if where == "device" else "on this machine"
-    todo = remedies(cfg, where) if cfg is not None else [
-        "lower train.micro_batch_size", "set engine.grad_accum_fusion=true", "set engine.recompute=full",
-        "set engine.bf16_weights=per_layer", "raise engine.optimizer_offload_fraction",
-        "shorten model.seq_length or use fewer model.num_layers"]
+    todo = remedies(cfg, where)
     return (f"this config needs an estimated {est.total_gib:.1f} GiB {per} (biggest parts: {parts}) but the "
             f"{where} has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; "
             f"{'; '.join(todo)} (forgetrain/memory.py has the estimate; train.skip_memory_check=true runs anyway)")

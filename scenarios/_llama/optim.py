@@ -149,12 +149,11 @@ def adamw_groups(groups, lr: float, t, kernel: str, device: torch.device, defaul
     step = states[0]["step"] if states else float(default_step)
     for decay, p, g, sts in groups:
         if offload is not None:
-            host = [i for i, st in enumerate(sts) if offload.holds(st)]
-            if host:
-                offload.update([p[i] for i in host], [g[i] for i in host], [sts[i] for i in host], decay, step, lr,
+            on_host = [offload.holds(st) for st in sts]
+            if any(on_host):
+                offload.update(*([x for x, h in zip(xs, on_host) if h] for xs in (p, g, sts)), decay, step, lr,
                                t, kernel, device)
-                keep = [i for i in range(len(p)) if i not in set(host)]
-                p, g, sts = [p[i] for i in keep], [g[i] for i in keep], [sts[i] for i in keep]
+                p, g, sts = ([x for x, h in zip(xs, on_host) if not h] for xs in (p, g, sts))
         if not p:
             continue
         adamw_apply(p, g, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts], decay, step, lr, t,
