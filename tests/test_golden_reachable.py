@@ -60,3 +60,24 @@ def test_io_only_field_stays_out_of_the_hash():
     assert config_hash(rc) == config_hash(flipped)
     changed = dataclasses.replace(rc, train=dataclasses.replace(rc.train, lr=rc.train.lr * 2))
     assert config_hash(rc) != config_hash(changed)  # a numeric field still moves it
+
+
+def _bitwise_dir(overrides: list[str]) -> Path:
+    from forgetrain import verify as V
+    from forgetrain.config import to_run_config
+
+    V.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="verify", overrides=overrides)
+    obj = OmegaConf.to_container(cfg, resolve=True)
+    obj.pop("verify")
+    tier = obj.pop("tier")
+    return V.golden_dir(to_run_config(obj), tier["name"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_stored_h200_bitwise_golden_is_found(precision):
+    """The bitwise goldens made by scripts/device/call6_golden_h200.sh (2026-12-02) are found from its shape G."""
+    d = _bitwise_dir(_shape("G") + [f"train.precision={precision}"])
+    assert (d / "trace").is_dir() and (d / "init.safetensors").is_file(), \
+        f"{d} is missing; a config field changed the golden hash"

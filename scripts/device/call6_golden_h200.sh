@@ -4,26 +4,27 @@
 # references/goldens/h200/, and the forged Hopper engine (exact mode) is judged twice: live and against the stored
 # golden. Then, with whatever time is left, kernel validation on the GPU at full shapes (no bench).
 #   run: bash scripts/device/call6_golden_h200.sh   (carry [".whl"]); brings back $OUT/goldens_h200.tar
+# and $OUT/call6_json.tgz (every verdict and validation JSON; extract under docs/device_runs/<date>/)
 set -u
 . scripts/device/setup.sh
 ts() { date +%H:%M:%S; }
-G="scenario=llama1b_h200 model=llama_micro train.micro_batch_size=2 train.global_batch_size=4 \
-train.lr_warmup_steps=2 engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch \
-train.deterministic=true tier=bitwise verify.steps=8 hardware=h200"
+. scripts/device/shapes.sh   # G
 for p in bf16 fp32; do
   echo "$(ts) == golden $p: regenerate (live reference vs forged)"
   timeout 60 python3 -m forgetrain.verify $G train.precision=$p verify.regenerate=true verify.out_dir=/tmp/g_$p 2>&1 \
     | grep -vE "Warning|warn" | tail -4
-  cp /tmp/g_$p/verdict.json $OUT/golden_regen_$p.json 2>/dev/null
+  mkdir -p /tmp/c6; cp /tmp/g_$p/verdict.json /tmp/c6/golden_regen_$p.json 2>/dev/null
   echo "$(ts) == golden $p: forged vs the stored golden"
   timeout 40 python3 -m forgetrain.verify $G train.precision=$p verify.golden=true verify.out_dir=/tmp/gg_$p 2>&1 \
     | grep -vE "Warning|warn" | tail -3
-  cp /tmp/gg_$p/verdict.json $OUT/golden_check_$p.json 2>/dev/null
+  cp /tmp/gg_$p/verdict.json /tmp/c6/golden_check_$p.json 2>/dev/null
   tar cf $OUT/goldens_h200.tar references/goldens/h200
 done
 for k in rmsnorm cross_entropy swiglu rope adamw; do
   echo "$(ts) == kernel $k validate (cuda, full shapes)"
   timeout 25 python3 -m forgetrain.kernels validate --kernel $k --device cuda --shapes full \
-    --json $OUT/validate_$k.json 2>&1 | tail -4
+    --json /tmp/c6/validate_$k.json 2>&1 | tail -4
 done
+# one archive: the device returns at most 8 files
+tar czf $OUT/call6_json.tgz -C /tmp c6
 echo "$(ts) done"

@@ -13,6 +13,8 @@
 #         references/goldens/h200/llama1b_h200-loss_curve-17890fa97f85. LAYERS and MB change it (a new golden).
 #   P8:   the llama8b_h100 proxy (full 8B width, 4 layers, seq 8192, micro-batch 1, global batch 1, 300 steps):
 #         golden references/goldens/h200/llama8b_h100-loss_curve-24b726ebc7bf.
+#   G:    the bitwise goldens (call6): llama_micro, exact mode, deterministic, 8 steps; add train.precision=bf16 or
+#         fp32. Goldens references/goldens/h200/llama1b_h200-bitwise-{407c65b0ea05,6620e71f312d}.
 L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
 model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \
 train.micro_batch_size=2 train.global_batch_size=8 train.precision=bf16 train.deterministic=false hardware=h200 \
@@ -27,3 +29,6 @@ R1B="scenario=llama1b_h200 model.num_layers=${LAYERS:-8} train.micro_batch_size=
 hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
 P8="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=1 \
 train.deterministic=false hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
+G="scenario=llama1b_h200 model=llama_micro train.micro_batch_size=2 train.global_batch_size=4 \
+train.lr_warmup_steps=2 engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch \
+train.deterministic=true tier=bitwise verify.steps=8 hardware=h200 parallel.timeout_s=60"
