@@ -24,7 +24,7 @@ from forgetrain.config import RunConfig, grad_accum_steps, validate
 from forgetrain.distributed import DistEnv, init_distributed, set_deterministic
 from forgetrain.errors import CheckpointError
 from forgetrain.metrics import WandbLogger, cpu_model, mfu_formula_label, mfu_metrics, param_counts, peak_flops, write_plots
-from forgetrain.trace import TraceWriter, read_trace, tensor_digest
+from forgetrain.trace import TraceWriter, read_trace, tensor_digest, tensor_digests
 
 log = logging.getLogger("forgetrain")
 
@@ -445,8 +445,8 @@ def _loop(run: _Run, progress: bool) -> None:
                 rec["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if t.digests:
                 dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
-                dg["grads"] = {k: tensor_digest(v) for k, v in engine.export_hf_grads().items()}
-                dg["params"] = {k: tensor_digest(v) for k, v in engine.export_hf_weights().items()}
+                dg["grads"] = tensor_digests(engine.export_hf_grads())
+                dg["params"] = tensor_digests(engine.export_hf_weights())
                 rec["digests"] = dg
             if probe is not None:
                 if writer:
