@@ -64,7 +64,9 @@ bf16 grads that in fact appear only as the backward frees activations.
 (``max_memory_allocated``): within about 10% on each row (+10.1% at most).
 
 **The check** (:func:`check`): a config whose estimate exceeds the device's total memory (on CPU: the host's
-physical memory) less :data:`RESERVE_BYTES` raises one-line ``ConfigError``;
+physical memory) less :data:`RESERVE_BYTES` raises one-line ``ConfigError``; so does, on a GPU, an optimizer offload
+whose pinned host memory (:func:`host_offload_bytes`) exceeds the host's physical memory less
+:data:`HOST_RESERVE_BYTES`;
 ``train.skip_memory_check=true`` skips it. ``FORGETRAIN_FAKE_DEVICE_GIB=<GiB>`` (read only by :func:`check`)
 stands in for the device's capacity, so the refusal can be tested on a machine without a GPU.
 """
@@ -83,6 +85,9 @@ WORKSPACE_BYTES = 1 * GIB  # cuBLAS / cuDNN workspaces, one block's backward tra
 # scenarios/_llama/optim.HostMoments reads it); 2 slots x 2 fp32 moments x 2^25 = 512 MiB of staging
 OFFLOAD_CHUNK_ELEMS = 1 << 25
 RESERVE_BYTES = 3 * GIB  # kept free of the estimate: CUDA context (~0.5 GiB) and allocator fragmentation
+# kept free of the offload's pinned moments in host memory: the process itself (Python, the torch and CUDA
+# libraries, torch.compile's worker processes, the data) and the operating system
+HOST_RESERVE_BYTES = 16 * GIB
 FAKE_DEVICE_ENV = "FORGETRAIN_FAKE_DEVICE_GIB"  # capacity in GiB that stands in for the device's (tests)
 
 LABELS = {  # part -> how the check's message names it
@@ -220,6 +225,46 @@ def host_memory_bytes() -> int | None:
         return None
 
 
+def offload_names(sizes: dict[str, int], fraction: float) -> list[str]:
+    """The parameters whose AdamW moments go to host memory under ``engine.optimizer_offload_fraction``: by size,
+    largest first (ties in ``sizes`` order), until at least ``fraction`` of all elements is chosen (0: none,
+    1: all). ``sizes``: name -> element count. The engine (``scenarios/_llama/optim.HostMoments``) and
+    :func:`host_offload_bytes` both choose with it."""
+    if fraction <= 0:
+        return []
+    total = sum(sizes.values())
+    chosen, n = [], 0
+    for k in sorted(sizes, key=lambda k: -sizes[k]):
+        if n >= fraction * total:
+            break
+        chosen.append(k)
+        n += sizes[k]
+    return chosen
+
+
+def pinned_alloc_bytes(nbytes: int) -> int:
+    """Host bytes that torch's CUDA caching host allocator takes for one pinned tensor of ``nbytes`` bytes: the
+    request rounded up to a power of two (its default rounding, ``ATen/core/CachingHostAllocator.h``, the
+    ``allocate`` path, which indexes its free lists by power-of-two size). For Llama-3-8B's 2.10 GB (1.96 GiB)
+    embedding moment that is 2 GiB; for its 470 MB fc1 moment, 512 MiB."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def host_offload_bytes(cfg) -> int:
+    """Host bytes the offloaded AdamW moments of ``cfg`` pin, summed over the ``parallel.data_parallel_size``
+    ranks of one host (each rank holds whole moments: the offload needs ``zero_stage=0``): two fp32 moments per
+    chosen tensor (:func:`offload_names` over ``metrics.param_tensor_sizes``), each rounded as
+    :func:`pinned_alloc_bytes`. Llama-3-8B at F = 1: 68.0 GiB for 59.8 GiB of moments. 0 without offload."""
+    from forgetrain.metrics import param_tensor_sizes
+
+    off = getattr(cfg.engine, "optimizer_offload_fraction", 0.0) or 0.0
+    if off <= 0:
+        return 0
+    sizes = {str(i): n for i, n in enumerate(param_tensor_sizes(cfg.model))}
+    per_rank = sum(2 * pinned_alloc_bytes(4 * sizes[k]) for k in offload_names(sizes, off))
+    return per_rank * cfg.parallel.data_parallel_size
+
+
 def remedies(cfg, where: str = "device") -> list[str]:
     """The settings that would lower :func:`estimate` for ``cfg`` and are not in effect yet, in the order the
     refusal names them: a smaller micro-batch, gradient accumulation fusion (fast mode), recompute (then per-layer
@@ -271,3 +316,12 @@ def check(cfg) -> None:
     line = refusal(estimate(cfg), capacity, "host memory" if host else "device", cfg)
     if line:
         raise ConfigError(line)
+    pinned = 0 if host else host_offload_bytes(cfg)
+    ram = host_memory_bytes() if pinned else None
+    if ram is not None and pinned > ram - HOST_RESERVE_BYTES:
+        raise ConfigError(
+            f"engine.optimizer_offload_fraction={cfg.engine.optimizer_offload_fraction} pins an estimated "
+            f"{pinned / GIB:.1f} GiB of host memory for the AdamW moments (each tensor's rounded up to a power of "
+            f"two by torch's pinned allocator) but this machine has {ram / GIB:.1f} GiB less a "
+            f"{HOST_RESERVE_BYTES / GIB:.0f} GiB reserve; lower engine.optimizer_offload_fraction "
+            f"(forgetrain/memory.py has the estimate; train.skip_memory_check=true runs anyway)")

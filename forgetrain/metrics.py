@@ -33,17 +33,24 @@ from pathlib import Path
 import torch
 
 
-def param_counts(model_cfg) -> dict[str, int]:
-    """Parameter counts of a Llama config: total, embedding (input), non-embedding (incl. LM head)."""
+def param_tensor_sizes(model_cfg) -> list[int]:
+    """Element counts of a Llama config's parameter tensors, in the Hopper engine's layout: the embedding
+    ``[V, h]``; per layer the input norm ``[h]``, the fused QKV ``[(nq + 2*nkv)*d, h]``, the output projection
+    ``[h, nq*d]``, the MLP norm ``[h]``, the fused fc1 ``[2f, h]`` and fc2 ``[h, f]``; the final norm ``[h]``; the
+    untied LM head ``[V, h]``. :func:`param_counts` sums them; the offload's host-memory estimate
+    (``forgetrain.memory``) selects from them."""
     m = model_cfg
     d = m.hidden_size // m.num_attention_heads
-    attn = m.hidden_size * (m.num_attention_heads * d + 2 * m.num_query_groups * d) + m.num_attention_heads * d * m.hidden_size
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    norms = 2 * m.hidden_size
-    layer = attn + mlp + norms
-    emb = m.vocab_size * m.hidden_size
-    head = m.vocab_size * m.hidden_size
-    total = emb + m.num_layers * layer + m.hidden_size + head
+    h, f = m.hidden_size, m.ffn_hidden_size
+    layer = [h, (m.num_attention_heads + 2 * m.num_query_groups) * d * h, h * m.num_attention_heads * d, h,
+             2 * f * h, h * f]
+    return [m.vocab_size * h, *layer * m.num_layers, h, m.vocab_size * h]
+
+
+def param_counts(model_cfg) -> dict[str, int]:
+    """Parameter counts of a Llama config: total, embedding (input), non-embedding (incl. LM head)."""
+    total = sum(param_tensor_sizes(model_cfg))
+    emb = model_cfg.vocab_size * model_cfg.hidden_size
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
 
 

@@ -255,3 +255,48 @@ def test_refusal_names_only_the_remedies_not_yet_in_effect(monkeypatch):
                                                                 bf16_weights="resident", grad_accum_fusion=False))
     with pytest.raises(ConfigError, match="set engine.grad_accum_fusion=true; set engine.recompute=full"):
         memory.check(plain)
+
+
+def test_param_tensor_sizes_are_the_engines_tensors():
+    """The host estimate chooses from ``metrics.param_tensor_sizes``: it must be the Hopper engine's own tensors
+    (same element counts, as a multiset), or it would count tensors the engine does not offload."""
+    from forgetrain.metrics import param_tensor_sizes
+    from scenarios.llama1b_h200.engine import Engine as Hopper
+    from tests.test_recompute import _cfg_for
+
+    cfg = _cfg_for("fast")
+    eng = Hopper(cfg, "cpu")
+    assert sorted(v.numel() for v in eng.main.values()) == sorted(param_tensor_sizes(cfg.model))
+
+
+@pytest.mark.parametrize("nbytes,pinned", [(1, 1), (3, 4), (4, 4), (5, 8), (2**26, 2**26), (2**26 + 1, 2**27)])
+def test_pinned_allocations_round_up_to_a_power_of_two(nbytes, pinned):
+    assert memory.pinned_alloc_bytes(nbytes) == pinned
+
+
+def test_llama3_8b_offload_pins_68_gib_by_hand():
+    """Llama-3-8B at F = 1, per fp32 moment: embedding and LM head 2.10 GB (1.96 GiB) -> 2 GiB each; per layer
+    QKV 100.7 MB -> 128 MiB, projection 64 MiB (already a power of two), fc1 469.8 MB -> 512 MiB, fc2 234.9 MB ->
+    256 MiB, two norms 16 KiB each; final norm 16 KiB. Two moments: 2 * (4 GiB + 32 * 960 MiB + 65 * 16 KiB)."""
+    cfg = _compose(["scenario=llama8b_h200", "engine.optimizer_offload_fraction=1.0"])
+    want = 2 * (4 * GIB + 32 * 960 * 2**20 + 65 * 16 * 2**10)
+    assert memory.host_offload_bytes(cfg) == want
+    assert 67 * GIB < want < 69 * GIB
+    off = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, optimizer_offload_fraction=0.0))
+    assert memory.host_offload_bytes(off) == 0
+
+
+def test_offload_that_cannot_be_pinned_is_refused_in_one_line(monkeypatch):
+    """On a GPU the device may fit while the host cannot hold the pinned moments: refused before any step."""
+    cfg = _compose(["scenario=llama8b_h200", "engine.optimizer_offload_fraction=1.0"])
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "139")
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 128 * GIB)
+    memory.check(cfg)  # 68 GiB pinned + 16 GiB reserve fit a 128 GiB host
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 64 * GIB)
+    with pytest.raises(ConfigError, match=r"pins an estimated 68\.0 GiB of host memory") as e:
+        memory.check(cfg)
+    assert "\n" not in str(e.value) and "lower engine.optimizer_offload_fraction" in str(e.value)
+    skipped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, skip_memory_check=True))
+    memory.check(skipped)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: None)  # the platform does not say: nothing to check
+    memory.check(cfg)

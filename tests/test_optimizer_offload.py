@@ -116,10 +116,10 @@ def test_a_broken_stream_is_caught(small_chunks, monkeypatch, how):
 
 def test_offload_names_largest_first():
     sizes = {"a": 10, "b": 40, "c": 30, "d": 20}
-    assert optim.offload_names(sizes, 0.0) == []
-    assert optim.offload_names(sizes, 0.4) == ["b"]
-    assert optim.offload_names(sizes, 0.41) == ["b", "c"]
-    assert optim.offload_names(sizes, 1.0) == ["b", "c", "d", "a"]
+    assert memory.offload_names(sizes, 0.0) == []
+    assert memory.offload_names(sizes, 0.4) == ["b"]
+    assert memory.offload_names(sizes, 0.41) == ["b", "c"]
+    assert memory.offload_names(sizes, 1.0) == ["b", "c", "d", "a"]
 
 
 @pytest.mark.parametrize("engine,parallel,match", [

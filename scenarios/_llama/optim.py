@@ -214,7 +214,7 @@ class HostMoments:
     elementwise, so a chunk updates to the same bits as the whole tensor: declared bitwise
     (``optimisations.yaml``).
 
-    Which parameters: :func:`offload_names` (the largest first, until the fraction of elements is reached).
+    Which parameters: ``forgetrain.memory.offload_names`` (the largest first, until the fraction of elements is reached).
     ``state``: the engine's AdamW states by name, the chosen ones' moments already in host memory
     (:func:`fresh_state` with ``host=names``, pinned on CUDA). Raises ValueError for a chosen moment that is not.
     """
@@ -296,22 +296,6 @@ class HostMoments:
                 freed[s] = torch.cuda.Event()
                 freed[s].record(self._d2h)
         compute.wait_stream(self._d2h)
-
-
-def offload_names(sizes: dict[str, int], fraction: float) -> list[str]:
-    """The parameters whose moments go to host memory under ``engine.optimizer_offload_fraction``: by size,
-    largest first (ties in ``sizes`` order), until at least ``fraction`` of all elements is chosen (0: none,
-    1: all). ``sizes``: name -> element count."""
-    if fraction <= 0:
-        return []
-    total = sum(sizes.values())
-    chosen, n = [], 0
-    for k in sorted(sizes, key=lambda k: -sizes[k]):
-        if n >= fraction * total:
-            break
-        chosen.append(k)
-        n += sizes[k]
-    return chosen
 
 
 def state_to_dict(adam_state: dict[str, dict]) -> dict[str, dict]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from forgetrain import memory
 from forgetrain.engine import StepResult
 from forgetrain.errors import ConfigError
 from forgetrain.schedule import lr_for_step
@@ -135,7 +136,7 @@ class Engine:
             self.main = {k: p.data for k, p in named.items()}
         self.completed_steps = 0
         # engine.optimizer_offload_fraction: these moments are made in (pinned) host memory, never on the device
-        self._host_moments = optim.offload_names({k: v.numel() for k, v in self.main.items()},
+        self._host_moments = memory.offload_names({k: v.numel() for k, v in self.main.items()},
                                                  self.opts.optimizer_offload_fraction)
         if self.dp_size > 1 or self.zero_stage == 1:
             self._setup_dp_buffer()  # also shards the AdamW state under ZeRO-1
