@@ -39,6 +39,19 @@ def config_hash(cfg: RunConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The settings that differ between two :func:`hashed_config` dicts, as ``"section.key old -> new"`` lines
+    (nested sections dotted, sorted by key; a key present on one side only shows ``<absent>`` on the other)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k} {a} -> {b}")
+    return out
+
+
 def hashed_config(cfg: RunConfig) -> dict:
     """The settings :func:`config_hash` covers, as a JSON-able dict (traces store it, so a stale golden can name
     what changed)."""
@@ -366,8 +379,9 @@ def _resume(run: _Run) -> None:
                               f"{harness['global_batch_size']}; this resume asks for {t.global_batch_size}. "
                               f"Resume with the same global batch")
     if harness.get("config_hash") != config_hash(cfg):
-        log.warning("resuming with a config hash %s different from the checkpoint's %s",
-                    config_hash(cfg), harness.get("config_hash"))
+        changed = config_changes(harness["config"], hashed_config(cfg)) if "config" in harness else []
+        log.warning("resuming with a config hash %s different from the checkpoint's %s%s", config_hash(cfg),
+                    harness.get("config_hash"), f": {'; '.join(changed)}" if changed else "")
     try:
         recorded = read_trace(run.trace_dir)[1]
     except FileNotFoundError:
@@ -485,7 +499,8 @@ def _loop(run: _Run, progress: bool) -> None:
             if save_now:
                 if writer:
                     writer.flush()
-                harness = {"step": step + 1, "config_hash": config_hash(cfg), "scenario": cfg.scenario.name,
+                harness = {"step": step + 1, "config_hash": config_hash(cfg), "config": run.meta["config"],
+                           "scenario": cfg.scenario.name,
                            "side": run.meta["side"], "global_batch_size": t.global_batch_size,
                            "wandb_run_id": wandb_logger.run.id if wandb_logger else wandb_id}
                 checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)

@@ -315,6 +315,10 @@ def _check_request(vcfg: VerifyConfig, tier) -> None:
     if getattr(ref_cls, "bench_only", False):
         raise ConfigError(f"references/{vcfg.reference} is a speed baseline for bench (no per-token losses or "
                           f"digests); verify against megatron, deepspeed or torchtitan")
+    for name in ("steps", "curve_steps", "timing_steps"):  # named as the user set them, not as train.steps
+        v = getattr(vcfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"verify.{name} must be a positive integer, got {v!r}")
     if tier.digests and not vcfg.digests:
         raise ConfigError(f"tier={tier.name} compares per-step digests; drop verify.digests=false")
     if tier.kind == PAIR and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:

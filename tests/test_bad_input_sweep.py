@@ -141,6 +141,9 @@ CASES = [
     ("verify_unknown_reference", V, [*M, "verify.reference=nope"], "unknown reference 'nope'", None),
     ("verify_speed_baseline", V, [*M, "verify.reference=torch_compile"], "is a speed baseline for bench", None),
     ("verify_resume_at", V, [*M, "verify.resume_at=9", "verify.steps=4"], "verify.resume_at=9 must lie in", None),
+    ("verify_negative_steps", V, [*M, "verify.steps=-3"], "verify.steps must be a positive integer", None),
+    ("verify_zero_curve_steps", V, [*M, "tier=loss_curve", "verify.curve_steps=0"],
+     "verify.curve_steps must be a positive integer", None),
     ("verify_too_few_seeds", V, [*M, "tier=loss_curve", "verify.seeds=[1]"], "needs >= 3 reference seeds", None),
     ("verify_bad_train_value", V, [*M, "train.lr=nan"], "train.lr must be a finite number", None),
     ("verify_missing_golden", V, [*M, "verify.golden=true", "train.seed=7"], "no golden at", None),
@@ -161,7 +164,7 @@ FAST_SUBSET = {"type_int", "nan_clip", "nan_peak", "neg_init_std", "huge_seed", 
                "batch_not_multiple", "neg_decay_steps", "layout_dp2_one_process", "out_dir_under_a_file",
                "missing_source", "ids_beyond_vocab", "resume_garbage_metadata", "fresh_run_on_a_used_dir",
                "sweep_bad_value", "syntax_no_equals", "verify_deepspeed_not_installed", "verify_torchtitan_not_installed",
-               "verify_missing_golden", "bench_unknown_reference"}
+               "verify_missing_golden", "verify_negative_steps", "bench_unknown_reference"}
 
 
 def _snapshot(path: Path) -> dict | None:

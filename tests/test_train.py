@@ -73,6 +73,28 @@ def test_resume_is_bitwise(tmp_path):
     assert numeric(records(part)) == numeric(records(full))
 
 
+def test_resume_with_another_config_names_what_changed(tmp_path):
+    """A resume whose config hash differs from the checkpoint's says which settings changed, not only the hashes."""
+    out = tmp_path / "run"
+    p1 = run([*FAST, "train.stop_after=3", "train.sample_tokens=0", f"train.out_dir={out}"])
+    assert p1.returncode == 0, p1.stderr[-2000:]
+    p2 = run([*FAST, "train.steps=9", "train.lr=2e-3", "train.sample_tokens=0", "train.resume=true",
+              f"train.out_dir={out}"])
+    assert p2.returncode == 0, p2.stderr[-2000:]
+    line = next(x for x in (p2.stdout + p2.stderr).splitlines() if "different from the checkpoint's" in x)
+    assert "train.lr " in line and "-> 0.002" in line and "train.steps 6 -> 9" in line, line
+    assert "model." not in line  # only what differs
+
+
+def test_config_changes_lists_only_the_differences():
+    from forgetrain.train import config_changes
+
+    old = {"train": {"lr": 1e-3, "steps": 6}, "model": {"h": 64}}
+    new = {"train": {"lr": 1e-3, "steps": 9, "extra": 1}, "model": {"h": 64}}
+    assert config_changes(old, new) == ["train.extra <absent> -> 1", "train.steps 6 -> 9"]
+    assert config_changes(old, old) == []
+
+
 def test_resume_without_checkpoint_is_one_line_error(tmp_path):
     p = run([*FAST, "train.resume=true", f"train.out_dir={tmp_path / 'none'}"])
     assert p.returncode == 2 and "Traceback" not in p.stderr
