@@ -214,7 +214,8 @@ class HostMoments:
     elementwise, so a chunk updates to the same bits as the whole tensor: declared bitwise
     (``optimisations.yaml``).
 
-    Which parameters: ``forgetrain.memory.offload_names`` (the largest first, until the fraction of elements is reached).
+    Which parameters: ``forgetrain.memory.offload_names`` (the largest first, until the fraction of elements is
+    reached).
     ``state``: the engine's AdamW states by name, the chosen ones' moments already in host memory
     (:func:`fresh_state` with ``host=names``, pinned on CUDA). Raises ValueError for a chosen moment that is not.
     """
