@@ -9,11 +9,12 @@ set -u
 . scripts/device/setup.sh
 ts() { date +%H:%M:%S; }
 . scripts/device/shapes.sh   # G
+mkdir -p /tmp/c6
 for p in bf16 fp32; do
   echo "$(ts) == golden $p: regenerate (live reference vs forged)"
   timeout 60 python3 -m forgetrain.verify $G train.precision=$p verify.regenerate=true verify.out_dir=/tmp/g_$p 2>&1 \
     | grep -vE "Warning|warn" | tail -4
-  mkdir -p /tmp/c6; cp /tmp/g_$p/verdict.json /tmp/c6/golden_regen_$p.json 2>/dev/null
+  cp /tmp/g_$p/verdict.json /tmp/c6/golden_regen_$p.json 2>/dev/null
   echo "$(ts) == golden $p: forged vs the stored golden"
   timeout 40 python3 -m forgetrain.verify $G train.precision=$p verify.golden=true verify.out_dir=/tmp/gg_$p 2>&1 \
     | grep -vE "Warning|warn" | tail -3
