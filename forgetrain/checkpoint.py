@@ -180,7 +180,10 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:400]
 
 
-def prune(ckpt_root: str | os.PathLike, keep: int = 2) -> None:
+KEEP = 2  # complete checkpoints a run keeps (the newest); forgetrain.disk counts on it
+
+
+def prune(ckpt_root: str | os.PathLike, keep: int = KEEP) -> None:
     """Keep the newest ``keep`` complete checkpoints (rank 0 only). The directory holds one run's lineage only:
     ``train._claim_out_dir`` refuses (or clears, with ``train.overwrite``) another run's checkpoints."""
     if _rank() != 0:

@@ -79,6 +79,8 @@ class TrainConfig:
     threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
     # run even when forgetrain.memory's estimate exceeds the GPU's memory (otherwise refused before step 1)
     skip_memory_check: bool = False
+    final_params: bool = True  # export the final weights (fp32, HF layout) to trace/final.safetensors
+    skip_disk_check: bool = False  # run even when forgetrain.disk's estimate of the outputs exceeds the free disk
 
     def __post_init__(self):
         if self.lr_warmup_steps is None and isinstance(self.steps, int):

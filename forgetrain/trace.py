@@ -68,14 +68,29 @@ def tensor_digests(named: Mapping[str, torch.Tensor], workers: int | None = None
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a crash leaves either the old file or the new one."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write_with(path, write)
+
+
+def atomic_write_with(path: str | os.PathLike, write) -> None:
+    """Call ``write(tmp)`` to fill a temp file beside ``path`` (``tmp``: its path, the file exists and is empty),
+    then fsync it and rename it over ``path``: a crash or an error (a full disk raises OSError) leaves the old
+    file or none, and no temp file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -111,10 +126,20 @@ class TraceWriter:
         atomic_write_json(self.dir / "modules.json", modules)
 
     def write_final_params(self, params: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save
+        """``final.safetensors``: ``params`` in fp32, written atomically. Raises OSError (a full disk) with no
+        file left behind. The file is streamed: no second host copy of the weights as one bytes object (32 GB
+        for Llama-3-8B)."""
+        from safetensors.torch import save_file
 
-        atomic_write_bytes(self.dir / "final.safetensors",
-                           save({k: v.detach().float().contiguous().cpu() for k, v in params.items()}))
+        tensors = {k: v.detach().float().contiguous().cpu() for k, v in params.items()}
+
+        def write(tmp: str) -> None:
+            try:
+                save_file(tensors, tmp)
+            except Exception as e:  # noqa: BLE001 - safetensors reports I/O errors as its own SafetensorError
+                raise OSError(str(e)) from None
+
+        atomic_write_with(self.dir / "final.safetensors", write)
 
 
 def read_trace(trace_dir: str | os.PathLike) -> tuple[dict, list[dict]]:

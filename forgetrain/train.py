@@ -59,7 +59,8 @@ def hashed_config(cfg: RunConfig) -> dict:
 
     t = dataclasses.asdict(cfg.train)
     for k in ("eval_interval", "log_interval", "save_interval", "save", "resume", "overwrite", "stop_after", "out_dir",
-              "sample_tokens", "sample_prompt", "threads", "eval_iters", "skip_memory_check"):
+              "sample_tokens", "sample_prompt", "threads", "eval_iters", "skip_memory_check",
+              "final_params", "skip_disk_check"):
         t.pop(k, None)
     p = dataclasses.asdict(cfg.parallel)
     for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute
@@ -204,6 +205,7 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     ref = kw.get("kind", "scenarios") != "scenarios"
     validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
+    _check_disk(cfg, out, env, final_params=kw.get("final_params", True))
     lock = _lock_out_dir(out, env)
     try:
         return _train(cfg, env, out, record=record, **kw)
@@ -211,6 +213,34 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
         if lock is not None:
             (out / ".lock").unlink(missing_ok=True)
             lock.close()
+
+
+def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) -> None:
+    """``forgetrain.disk.check`` on rank 0 before the run writes anything (a resume counts the checkpoints already
+    under ``out``); its refusal is raised on every rank as ConfigError."""
+    from forgetrain import checkpoint, disk
+    from forgetrain.errors import ConfigError
+
+    line = None
+    if env.rank == 0:
+        root = out / "checkpoints"
+        have = sorted(root.glob("step_*")) if cfg.train.resume and root.is_dir() else []
+        done = 0
+        if have:
+            last = checkpoint.latest(root)
+            done = int(last.name.split("_")[-1]) if last is not None else 0
+        c = cfg if final_params else _with_train(cfg, final_params=False)
+        try:
+            disk.check(c, out, existing_checkpoints=len(have), done=done)
+        except ConfigError as e:
+            line = str(e)
+    line = env.broadcast_object(line)
+    if line:
+        raise ConfigError(line)
+
+
+def _with_train(cfg: RunConfig, **changes) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
 
 
 def _record_config(out: Path, record, resume: bool) -> None:
@@ -252,7 +282,7 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
         _record_config(out, record, cfg.train.resume)
     _open_sinks(run)
     _loop(run, progress)
-    _finish(run, final_params=final_params, progress=progress)
+    _finish(run, final_params=final_params and cfg.train.final_params, progress=progress)
     env.barrier()
     return out
 
@@ -535,7 +565,16 @@ def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:
         sample = _sample_text(engine, run.tokenizer, cfg, run.device)
     if env.rank == 0 and stop == t.steps:
         if final_params:
-            writer.write_final_params(final_sd)
+            try:
+                writer.write_final_params(final_sd)
+            except OSError as e:  # a full disk after the last step: one line, the last checkpoint stands
+                from forgetrain.errors import ForgeTrainError
+
+                last = checkpoint.latest(run.ckpt_root) if run.ckpt_root.is_dir() else None
+                raise ForgeTrainError(
+                    f"cannot write the final weights to {writer.dir / 'final.safetensors'}: "
+                    f"{e.strerror or e}; the trace is complete and the last checkpoint is "
+                    f"{last if last is not None else 'none (train.save=false)'}") from None
         recs = writer.records
         summary = {"first_loss": run.first_loss, "last_loss": recs[-1]["loss"] if recs else None,
                    "val_loss": run.val_loss, "steps": t.steps, "ln_vocab": float(torch.log(torch.tensor(
