@@ -4,11 +4,12 @@
 #   PART=a  equivalence at a depth Megatron-core fits (8B width, 2 layers, seq 2048, micro-batch 1 x grad-accum 2):
 #           exact mode with the scenario's memory layout at the bitwise tier (deterministic), then the fast default
 #           at the tolerance tier (stricter than every fast optimisation's declared tier). Measured 2026-12-02:
-#           5.2-5.7 min per bitwise check, and a3 did not fit after a2 in one call: one check per call (A="a3")
-#           until the threaded digests' saving is measured.
+#           5.2-5.7 min per bitwise check before the threaded digests, 2.9 min after (the offload check of
+#           PART=f); a3 alone 232 s. Two checks fit one call now: A="a1 a2", then A=a3.
 #   PART=b  the real run: full depth (32 layers, seq 8192), 120 steps on the embedded Shakespeare text at global
 #           batch 1, no checkpoint (the fp32 state is 96 GB on a 64 GB disk); the loss must fall; peak memory is in
-#           every trace record (mem_gib). About 5 min with compilation.
+#           every trace record (mem_gib). No final-weights export either (32 GB: forgetrain.disk refuses it on
+#           the device's disk). Measured 2026-12-02: 241 s; loss 12.51 -> 5.85, peak 126.8 GiB, 1.03 s per step.
 #   PART=c  python -m forgetrain.bench scenario=llama8b_h200 at global batch 8 (grad-accum 8) and one micro-batch,
 #           A-B-A beside torchtitan (FSDP2 on one rank, its own full activation checkpointing under
 #           engine.recompute=full); needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). About 8 min.
@@ -20,7 +21,9 @@
 #           engine alone at global batch 8 with no recompute and resident bf16 weights, at
 #           engine.optimizer_offload_fraction FR (default 1.0: estimate 112.4 GiB; FR=0.65: 133.3 GiB, a second
 #           call); then, unless NOVERIFY=1, exact mode with offload 1.0 at the bitwise tier vs Megatron-core at 2
-#           layers. About 6 min.
+#           layers. Measured 2026-12-02: 420 s (the bench 240 s, the bitwise check 174 s).
+#   PART=e and PART=f take GBS (default 8): at GBS 8 the offload's fixed cost per step (about 1.8 s of 7.3 s at F
+#           1.0, 2026-12-02) is a quarter of the step; GBS=32 NOVERIFY=1 PART=f shows it at a larger global batch.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
 #   layer 1 stored).
 #   run: PART=a bash scripts/device/call16_llama8b_h200.sh   (carry [".whl"]; PART=c carries [".whl", ".whl_sides"])
@@ -29,6 +32,8 @@ set -u
 S="scenario=llama8b_h200 hardware=h200 parallel.timeout_s=60"
 SMALL="model.num_layers=2 model.seq_length=2048 train.micro_batch_size=1 train.global_batch_size=2 \
 train.lr_warmup_steps=2"
+GBS=${GBS:-8}   # PART=e and f: the global batch (micro-batch 1, so grad-accum GBS); the file names carry it unless 8
+G=$([ "$GBS" = 8 ] || echo "_gbs$GBS")
 case "${PART:-a}" in
 a)
   # A picks the checks (default all three; about 5-6 min each on the H200, so one per call for now)
@@ -57,7 +62,7 @@ a)
 b)
   echo "$(ts) == full depth, 120 steps ($(left) s left)"
   timeout $(left) python3 -m forgetrain $S train.steps=120 train.global_batch_size=1 train.lr_warmup_steps=10 \
-    train.save=false train.log_interval=10 train.out_dir=/tmp/r16 2>&1 | filt 8
+    train.save=false train.final_params=false train.log_interval=10 train.out_dir=/tmp/r16 2>&1 | filt 8
   cp /tmp/r16/trace/trace.jsonl $OUT/call16_full_depth_trace.jsonl 2>/dev/null
   python3 - <<'PY'
 import json
@@ -79,19 +84,20 @@ c|d)
   ;;
 e)
   for n in 32 30 28; do
-    echo "$(ts) == bench: forged alone, engine.recompute_num_layers=$n, GBS 8 ($(left) s left)"
+    echo "$(ts) == bench: forged alone, engine.recompute_num_layers=$n, GBS $GBS ($(left) s left)"
     timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
-      engine.recompute_num_layers=$n train.deterministic=false bench.out_dir=/tmp/b16e$n 2>&1 | filt 12
-    cp /tmp/b16e$n/bench.json $OUT/call16_bench_recompute_layers_$n.json 2>/dev/null
+      engine.recompute_num_layers=$n train.global_batch_size=$GBS train.deterministic=false \
+      bench.out_dir=/tmp/b16e$n 2>&1 | filt 12
+    cp /tmp/b16e$n/bench.json $OUT/call16_bench_recompute_layers_$n$G.json 2>/dev/null
   done
   ;;
 f)
   for fr in ${FR:-1.0}; do
-    echo "$(ts) == bench: forged alone, engine.optimizer_offload_fraction=$fr, no recompute, GBS 8 ($(left) s left)"
+    echo "$(ts) == bench: forged alone, engine.optimizer_offload_fraction=$fr, no recompute, GBS $GBS ($(left) s left)"
     timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
       engine.recompute=none engine.bf16_weights=resident engine.optimizer_offload_fraction=$fr \
-      train.deterministic=false bench.out_dir=/tmp/b16f$fr 2>&1 | filt 12
-    cp /tmp/b16f$fr/bench.json $OUT/call16_bench_offload_$fr.json 2>/dev/null
+      train.global_batch_size=$GBS train.deterministic=false bench.out_dir=/tmp/b16f$fr 2>&1 | filt 12
+    cp /tmp/b16f$fr/bench.json $OUT/call16_bench_offload_${fr}$G.json 2>/dev/null
   done
   [ -n "${NOVERIFY:-}" ] && { echo "$(ts) done"; exit 0; }
   echo "$(ts) == exact mode, optimizer offload 1.0: bitwise vs Megatron-core ($(left) s left)"
