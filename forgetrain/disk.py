@@ -74,8 +74,9 @@ def free_bytes(path: str | Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def check(cfg, out: str | Path, existing_checkpoints: int = 0, done: int = 0) -> None:
-    """Refuse a run whose outputs cannot fit the disk under ``out``, before anything is written.
+def check(cfg, out: str | Path, existing_checkpoints: int = 0, done: int = 0, freed: int = 0) -> None:
+    """Refuse a run whose outputs cannot fit the disk under ``out``, before anything is written. ``freed``: bytes
+    the run deletes before it writes (``train.overwrite`` clears a previous run's checkpoints and trace).
     Raises ConfigError with one line: the estimate, its parts, the free space and what to change.
     Nothing happens with ``train.skip_disk_check``."""
     from forgetrain.errors import ConfigError
@@ -87,7 +88,7 @@ def check(cfg, out: str | Path, existing_checkpoints: int = 0, done: int = 0) ->
     total = sum(need.values())
     if total == 0:
         return
-    free = free_bytes(out)
+    free = free_bytes(out) + freed
     if total <= free - RESERVE_BYTES:
         return
     parts = []

@@ -230,8 +230,12 @@ def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) 
             last = checkpoint.latest(root)
             done = int(last.name.split("_")[-1]) if last is not None else 0
         c = cfg if final_params else _with_train(cfg, final_params=False)
+        freed = 0  # train.overwrite clears the previous run's checkpoints and trace first
+        if cfg.train.overwrite and not cfg.train.resume:
+            freed = sum(f.stat().st_size for d in (root, out / "trace") if d.is_dir()
+                        for f in d.rglob("*") if f.is_file())
         try:
-            disk.check(c, out, existing_checkpoints=len(have), done=done)
+            disk.check(c, out, existing_checkpoints=len(have), done=done, freed=freed)
         except ConfigError as e:
             line = str(e)
     line = env.broadcast_object(line)

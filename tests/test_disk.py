@@ -99,3 +99,19 @@ def test_full_disk_at_the_final_weights_is_one_line(tmp_path, monkeypatch):
     trace = tmp_path / "run" / "trace"
     assert sorted(os.listdir(trace)) == ["meta.json", "trace.jsonl"]
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
+
+
+def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
+    """train.overwrite clears the previous run's checkpoints and export first: a disk that holds the old run and
+    has room for the new one only once the old one is gone is not refused."""
+    from forgetrain.train import train
+
+    c = _cfg(tmp_path, steps=2, save_interval=2)
+    out = train(c, progress=False)
+    old = sum(f.stat().st_size for d in (out / "checkpoints", out / "trace") for f in d.rglob("*") if f.is_file())
+    need = sum(disk.estimate_bytes(c).values())
+    assert old >= need  # the same run again: the old files are as large as the new ones
+    monkeypatch.setattr(disk, "free_bytes", lambda p: disk.RESERVE_BYTES + need - old + 1)
+    train(dataclasses.replace(c, train=dataclasses.replace(c.train, overwrite=True)), progress=False)
+    with pytest.raises(ConfigError, match="checkpoints"):  # without overwrite's freed bytes it would not fit
+        disk.check(c, out)
