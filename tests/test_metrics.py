@@ -47,3 +47,19 @@ def test_counting_the_embedding_is_caught(monkeypatch):
     real = metrics.param_counts
     monkeypatch.setattr(metrics, "param_counts", lambda m: {**real(m), "non_embedding": real(m)["total"]})
     assert metrics.flops_per_token(M) != hand_count(12)
+
+
+def test_peak_label_names_a_different_device(monkeypatch):
+    """The llama8b_h100 proxy timed on an H200: the datasheet peak is the configured hardware's, and the label
+    says which device actually ran; on the configured device (or off CUDA) the label is the plain one."""
+    from forgetrain import metrics
+    from forgetrain.config import HardwareConfig
+
+    h100 = HardwareConfig(name="h100", device="cuda", peak_tflops=989.4, peak_source="H100 SXM dense BF16 (datasheet)")
+    monkeypatch.setattr(metrics, "_cuda_device_name", lambda: "NVIDIA H200")
+    peak, label = metrics.peak_flops(h100)
+    assert peak == 989.4e12 and label.endswith("(hardware=h100; the device is NVIDIA H200)"), label
+    monkeypatch.setattr(metrics, "_cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert metrics.peak_flops(h100)[1] == "vs 989.4 TFLOP/s H100 SXM dense BF16 (datasheet)"
+    monkeypatch.setattr(metrics, "_cuda_device_name", lambda: None)
+    assert metrics.peak_flops(h100)[1] == "vs 989.4 TFLOP/s H100 SXM dense BF16 (datasheet)"
