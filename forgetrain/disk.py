@@ -95,8 +95,8 @@ def check(cfg, out: str | Path, existing_checkpoints: int = 0, done: int = 0, fr
     if need["final_weights"]:
         parts.append(f"final weights {_size(need['final_weights'])} (train.final_params=false skips them)")
     if need["checkpoints"]:
-        parts.append(f"checkpoints {_size(need['checkpoints'])} (train.save=false, or a larger "
-                     f"train.save_interval)")
+        fewer = ", or a larger train.save_interval" if saves(t, done) > 1 else ""
+        parts.append(f"checkpoints {_size(need['checkpoints'])} (train.save=false{fewer})")
     raise ConfigError(f"this run writes an estimated {_size(total)} under {out}: {'; '.join(parts)}; the file "
                       f"system has {_size(free)} free less a {_size(RESERVE_BYTES)} reserve "
                       f"(forgetrain/disk.py has the estimate; train.skip_disk_check=true runs anyway)")

@@ -115,3 +115,14 @@ def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
     train(dataclasses.replace(c, train=dataclasses.replace(c.train, overwrite=True)), progress=False)
     with pytest.raises(ConfigError, match="checkpoints"):  # without overwrite's freed bytes it would not fit
         disk.check(c, out)
+
+
+def test_the_hint_names_only_remedies_that_help(tmp_path, monkeypatch):
+    """One save (at the end): a larger save_interval cannot help, so the line does not suggest it."""
+    monkeypatch.setattr(disk, "free_bytes", lambda p: 0)
+    with pytest.raises(ConfigError) as e:
+        disk.check(_cfg(tmp_path, steps=2, save_interval=0), tmp_path)
+    assert "train.save=false)" in str(e.value) and "save_interval" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        disk.check(_cfg(tmp_path, steps=4, save_interval=1), tmp_path)
+    assert "a larger train.save_interval" in str(e.value)

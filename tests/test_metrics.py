@@ -63,3 +63,24 @@ def test_peak_label_names_a_different_device(monkeypatch):
     assert metrics.peak_flops(h100)[1] == "vs 989.4 TFLOP/s H100 SXM dense BF16 (datasheet)"
     monkeypatch.setattr(metrics, "_cuda_device_name", lambda: None)
     assert metrics.peak_flops(h100)[1] == "vs 989.4 TFLOP/s H100 SXM dense BF16 (datasheet)"
+
+
+def test_peak_measured_under_load_says_so(monkeypatch, tmp_path):
+    """A CPU peak measured while the load average exceeds the cores is used but not cached, and the MFU label
+    says it is overstated; a quiet measurement is cached and labelled plainly."""
+    from forgetrain import metrics
+    from forgetrain.config import HardwareConfig
+
+    cpu = HardwareConfig()
+    monkeypatch.setenv("FORGETRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
+    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
+    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (99.0, 0.0, 0.0))
+    label = metrics.peak_flops(cpu)[1]
+    assert "measured under load 99.0" in label and "overstated" in label, label
+    assert not (tmp_path / "cpu_peak.json").exists()
+    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
+    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
+    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    label = metrics.peak_flops(cpu)[1]
+    assert "load" not in label and (tmp_path / "cpu_peak.json").is_file(), label
