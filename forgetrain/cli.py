@@ -256,6 +256,14 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
         except KeyboardInterrupt:
             print_error("interrupted")
             sys.exit(130)
+        except OSError as e:  # a full disk anywhere: one line (errors.full_disk_line), other OSErrors propagate
+            from forgetrain.errors import full_disk_line
+
+            line = full_disk_line(e)
+            if line is None:
+                raise
+            print_error(line)
+            sys.exit(1)
         except MemoryError as e:  # torch.OutOfMemoryError is not one; see _out_of_memory_line
             print(f"error: out of host memory: {e}", file=sys.stderr, flush=True)
             sys.exit(1)

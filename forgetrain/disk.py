@@ -13,8 +13,8 @@ checkpoints        12 * N per checkpoint when ``train.save`` (the engines' ``sta
                    4 * N plus AdamW's exp_avg and exp_avg_sq 8 * N; measured on CPU: 60,197,020 bytes for the
                    5.0 M-parameter llama_tiny), times the most checkpoints on disk at once: the run keeps the
                    newest :data:`forgetrain.checkpoint.KEEP` and writes the next one before pruning, so
-                   min(saves, KEEP + 1); a resume subtracts the checkpoints already there (up to KEEP), which
-                   are pruned as the new ones land
+                   min(saves, KEEP + 1); a resume with C checkpoints already there adds min(saves,
+                   max(C, KEEP) + 1 - C) of them (the next save lands before the oldest is pruned)
 =================  ==================================================================================
 
 Not counted: the trace (kilobytes per step, digests included), plots, W&B's offline files, Hydra's records --
@@ -60,9 +60,11 @@ def estimate_bytes(cfg, existing_checkpoints: int = 0, done: int = 0) -> dict[st
     n = param_counts(cfg.model)["total"]
     stop = min(t.steps, t.stop_after) if t.stop_after else t.steps
     final = FINAL_BYTES_PER_PARAM * n if getattr(t, "final_params", True) and stop == t.steps else 0
-    peak = min(saves(t, done), KEEP + 1)
-    peak = max(0, peak - min(existing_checkpoints, KEEP))
-    return {"final_weights": final, "checkpoints": CKPT_BYTES_PER_PARAM * n * peak}
+    have, new = existing_checkpoints, saves(t, done)
+    # each save lands before the prune, so the directory peaks at max(have, KEEP) + 1 checkpoints, or fewer when
+    # fewer saves come; what it adds to the disk is that peak less the ones already there
+    extra = min(new, max(have, KEEP) + 1 - have) if new else 0
+    return {"final_weights": final, "checkpoints": CKPT_BYTES_PER_PARAM * n * extra}
 
 
 def free_bytes(path: str | Path) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 
@@ -36,6 +37,20 @@ class DivergenceError(ForgeTrainError):
     exit_code = 1
 
 
+_FULL = {errno.ENOSPC, errno.EDQUOT}  # a full disk or quota: the environment, not a bug
+
+
+def full_disk_line(e: OSError) -> str | None:
+    """The one line for a write that found the disk (or the quota) full, else None. Every file ForgeTrain writes
+    goes through a temp file and a rename, and checkpoints through a temp directory, so the previous version of
+    each stands."""
+    if e.errno not in _FULL:
+        return None
+    where = f" writing {e.filename}" if e.filename else ""
+    return (f"{e.strerror}{where}; the files written before it and the last checkpoint (if any) are intact: free "
+            f"space, then continue with train.resume=true")
+
+
 def print_error(message: str) -> None:
     """``error: <first line of message>`` on stderr, in one write: ranks sharing a terminal cannot split the line."""
     msg = next((x.strip() for x in str(message).strip().splitlines() if x.strip()), "")
@@ -56,5 +71,11 @@ def one_line_errors(fn):
         except KeyboardInterrupt:
             print_error("interrupted")
             sys.exit(130)
+        except OSError as e:
+            line = full_disk_line(e)
+            if line is None:
+                raise
+            print_error(line)
+            sys.exit(1)
 
     return wrapper

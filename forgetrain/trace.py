@@ -98,6 +98,12 @@ def atomic_write_with(path: str | os.PathLike, write) -> None:
         raise
 
 
+def stale_temp_files(directory: str | os.PathLike) -> list[Path]:
+    """The temp files :func:`atomic_write_with` leaves in ``directory`` when its process is killed mid-write."""
+    d = Path(directory)
+    return sorted(d.glob(".*.tmp")) if d.is_dir() else []
+
+
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
@@ -112,6 +118,8 @@ class TraceWriter:
     def __init__(self, out_dir: str | os.PathLike, meta: dict, existing: Iterable[dict] = ()):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in stale_temp_files(self.dir):  # a run killed mid-write (32 GB for an 8B export); the run
+            stale.unlink(missing_ok=True)          # owns the directory (its lock), so no live writer holds them
         self.records: list[dict] = list(existing)
         atomic_write_json(self.dir / "meta.json", meta)
 

@@ -230,7 +230,11 @@ def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) 
             last = checkpoint.latest(root)
             done = int(last.name.split("_")[-1]) if last is not None else 0
         c = cfg if final_params else _with_train(cfg, final_params=False)
-        freed = 0  # train.overwrite clears the previous run's checkpoints and trace first
+        from forgetrain.trace import stale_temp_files
+
+        # what the run deletes before it writes: a killed run's temp files (the trace writer removes them), and
+        # with train.overwrite the previous run's checkpoints and trace
+        freed = sum(f.stat().st_size for f in stale_temp_files(out / "trace"))
         if cfg.train.overwrite and not cfg.train.resume:
             freed = sum(f.stat().st_size for d in (root, out / "trace") if d.is_dir()
                         for f in d.rglob("*") if f.is_file())
@@ -537,7 +541,12 @@ def _loop(run: _Run, progress: bool) -> None:
                            "scenario": cfg.scenario.name,
                            "side": run.meta["side"], "global_batch_size": t.global_batch_size,
                            "wandb_run_id": wandb_logger.run.id if wandb_logger else wandb_id}
-                checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
+                try:
+                    checkpoint.save(ckpt_root, step + 1, engine.state_dict(), harness)
+                except BaseException:
+                    if bar is not None:
+                        bar.close()  # the error line goes on a line of its own, not into the bar
+                    raise
                 checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:
                 writer.flush()
@@ -567,18 +576,22 @@ def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:
     sample = None
     if stop == t.steps and t.sample_tokens and run.kind == "scenarios" and (env.rank == 0 or tp_collective):
         sample = _sample_text(engine, run.tokenizer, cfg, run.device)
-    if env.rank == 0 and stop == t.steps:
-        if final_params:
-            try:
-                writer.write_final_params(final_sd)
-            except OSError as e:  # a full disk after the last step: one line, the last checkpoint stands
-                from forgetrain.errors import ForgeTrainError
+    failed = None
+    if env.rank == 0 and stop == t.steps and final_params:
+        try:
+            writer.write_final_params(final_sd)
+        except OSError as e:  # a full disk after the last step: one line, the last checkpoint stands
+            last = checkpoint.latest(run.ckpt_root) if run.ckpt_root.is_dir() else None
+            failed = (f"cannot write the final weights to {writer.dir / 'final.safetensors'}: "
+                      f"{e.strerror or e}; the trace is complete and the last checkpoint is "
+                      f"{last if last is not None else 'none (train.save=false)'}")
+    if stop == t.steps and final_params and env.world_size > 1:
+        failed = env.broadcast_object(failed)  # every rank ends with rank 0's line, none waits on a dead peer
+    if failed:
+        from forgetrain.errors import ForgeTrainError
 
-                last = checkpoint.latest(run.ckpt_root) if run.ckpt_root.is_dir() else None
-                raise ForgeTrainError(
-                    f"cannot write the final weights to {writer.dir / 'final.safetensors'}: "
-                    f"{e.strerror or e}; the trace is complete and the last checkpoint is "
-                    f"{last if last is not None else 'none (train.save=false)'}") from None
+        raise ForgeTrainError(failed)
+    if env.rank == 0 and stop == t.steps:
         recs = writer.records
         summary = {"first_loss": run.first_loss, "last_loss": recs[-1]["loss"] if recs else None,
                    "val_loss": run.val_loss, "steps": t.steps, "ln_vocab": float(torch.log(torch.tensor(

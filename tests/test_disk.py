@@ -126,3 +126,58 @@ def test_the_hint_names_only_remedies_that_help(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         disk.check(_cfg(tmp_path, steps=4, save_interval=1), tmp_path)
     assert "a larger train.save_interval" in str(e.value)
+
+
+def test_resume_counts_the_save_that_lands_before_the_prune(tmp_path):
+    """Two checkpoints on disk and one save to come: the directory holds three before the oldest is pruned, so the
+    resume adds one checkpoint's bytes (it counted none, and with no export it skipped the check)."""
+    c = _cfg(tmp_path, steps=10, save_interval=2, final_params=False)
+    per = disk.estimate_bytes(c)["checkpoints"] // 3
+    assert disk.estimate_bytes(c, existing_checkpoints=2, done=8)["checkpoints"] == per  # one save left
+    assert disk.estimate_bytes(c, existing_checkpoints=2, done=4)["checkpoints"] == per  # three left: still 3 at once
+    assert disk.estimate_bytes(c, existing_checkpoints=1, done=8)["checkpoints"] == per
+    assert disk.estimate_bytes(c, existing_checkpoints=0, done=4)["checkpoints"] == 3 * per
+    assert disk.estimate_bytes(c, existing_checkpoints=2, done=10)["checkpoints"] == 0  # nothing left to save
+
+
+def test_a_killed_writes_temp_file_is_counted_and_removed(tmp_path, monkeypatch):
+    """A run killed while it wrote the export leaves trace/.final.safetensors.*.tmp (32 GB for an 8B model): the
+    resume counts it as space it frees and the trace writer deletes it."""
+    from forgetrain.train import train
+
+    c = _cfg(tmp_path, steps=4, save_interval=2, stop_after=2)
+    out = train(c, progress=False)
+    stale = out / "trace" / ".final.safetensors.abc123.tmp"
+    stale.write_bytes(b"\0" * 3_000_000)
+    r = dataclasses.replace(c, train=dataclasses.replace(c.train, stop_after=None, resume=True))
+    need = sum(disk.estimate_bytes(r, existing_checkpoints=1, done=2).values())
+    monkeypatch.setattr(disk, "free_bytes", lambda p: disk.RESERVE_BYTES + need - stale.stat().st_size + 1)
+    train(r, progress=False)
+    assert not stale.exists() and (out / "trace" / "final.safetensors").is_file()
+
+
+def test_a_full_disk_anywhere_is_one_line(tmp_path):
+    """ENOSPC outside the export and the checkpoints (a trace flush, Hydra's record) ends in one line, exit 1, no
+    traceback (a stand-in task raises it); another OSError is not disguised as a full disk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import errno, sys\n"
+            "from forgetrain.cli import run_hydra\n"
+            "def task(cfg):\n"
+            "    raise OSError(errno.ENOSPC, 'No space left on device', '/x/trace/.trace.jsonl.ab.tmp')\n"
+            "run_hydra('config', task, sys.argv[1:])\n")
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                       text=True, capture_output=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errs = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert errs == ["error: No space left on device writing /x/trace/.trace.jsonl.ab.tmp; the files written before "
+                    "it and the last checkpoint (if any) are intact: free space, then continue with "
+                    "train.resume=true"], p.stderr
+    from forgetrain.errors import full_disk_line
+    import errno
+
+    assert full_disk_line(OSError(errno.EACCES, "Permission denied", "/x")) is None

@@ -56,8 +56,9 @@ def test_io_only_field_stays_out_of_the_hash():
     obj = OmegaConf.to_container(cfg, resolve=True)
     obj.pop("verify"), obj.pop("tier")
     rc = to_run_config(obj)
-    flipped = dataclasses.replace(rc, train=dataclasses.replace(rc.train, skip_memory_check=True))
-    assert config_hash(rc) == config_hash(flipped)
+    for io_only in ({"skip_memory_check": True}, {"final_params": False}, {"skip_disk_check": True}):
+        flipped = dataclasses.replace(rc, train=dataclasses.replace(rc.train, **io_only))
+        assert config_hash(rc) == config_hash(flipped), io_only
     changed = dataclasses.replace(rc, train=dataclasses.replace(rc.train, lr=rc.train.lr * 2))
     assert config_hash(rc) != config_hash(changed)  # a numeric field still moves it
 

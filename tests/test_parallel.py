@@ -550,3 +550,29 @@ def test_cli_torchrun_dp2_then_resume_at_dp1(cache, tmp_path):
     assert "resumed from" in q.stderr and "=== summary ===" in q.stderr
     assert [r["step"] for r in eq_records(out)] == list(range(1, 7))
     print(f"torchrun DP=2 (3 steps + checkpoint): {dp2_s:.1f} s")
+
+
+def test_dp2_final_export_failure_is_rank_0s_line_on_every_rank(cache, tmp_path):
+    """The export fails on rank 0 (a full disk, injected through sitecustomize in the children): every rank ends
+    with rank 0's line, none reports a dead peer, and the launch fails."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import safetensors, safetensors.torch\n"
+        "def full(*a, **k):\n"
+        "    raise safetensors.SafetensorError('Error while serializing: I/O error: No space left on device "
+        "(os error 28)')\n"
+        "safetensors.torch.save_file = full\n")
+    env = _env(cache)
+    env["PYTHONPATH"] = f"{inject}{os.pathsep}{env['PYTHONPATH']}"
+    out = tmp_path / "run"
+    p = torchrun(["-m", "forgetrain", "parallel=dp2", "model=llama_micro", "train.steps=2", "train.lr_warmup_steps=1",
+                  "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_interval=0",
+                  "train.sample_tokens=0", "train.save=false", f"train.out_dir={out}"], env, timeout=300)
+    errs = {x for x in p.stderr.splitlines() if x.startswith("error:")}
+    assert p.returncode != 0, _errors(p)
+    assert len(errs) == 1, _errors(p)
+    line = errs.pop()
+    assert "cannot write the final weights" in line and "No space left on device" in line, line
+    assert "collective" not in p.stderr, _errors(p)
+    assert sorted(os.listdir(out / "trace")) == ["meta.json", "trace.jsonl"]
