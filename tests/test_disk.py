@@ -159,19 +159,10 @@ def test_a_killed_writes_temp_file_is_counted_and_removed(tmp_path, monkeypatch)
 def test_a_full_disk_anywhere_is_one_line(tmp_path):
     """ENOSPC outside the export and the checkpoints (a trace flush, Hydra's record) ends in one line, exit 1, no
     traceback (a stand-in task raises it); another OSError is not disguised as a full disk."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.test_robustness import stand_in_task
 
-    root = Path(__file__).resolve().parent.parent
-    code = ("import errno, sys\n"
-            "from forgetrain.cli import run_hydra\n"
-            "def task(cfg):\n"
-            "    raise OSError(errno.ENOSPC, 'No space left on device', '/x/trace/.trace.jsonl.ab.tmp')\n"
-            "run_hydra('config', task, sys.argv[1:])\n")
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                       text=True, capture_output=True, timeout=300)
+    p = stand_in_task("raise OSError(errno.ENOSPC, 'No space left on device', '/x/trace/.trace.jsonl.ab.tmp')",
+                      tmp_path)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     errs = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert errs == ["error: No space left on device writing /x/trace/.trace.jsonl.ab.tmp; the files written before "

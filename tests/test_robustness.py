@@ -425,19 +425,26 @@ def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
     assert not list(done.glob("*.log"))
 
 
+def stand_in_task(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run the training entry point (``run_hydra``) with a task whose one line is ``body`` (``torch``, ``errno``
+    imported), out_dir ``tmp_path/run``."""
+    code = ("import errno, sys, torch\n"
+            "from forgetrain.cli import run_hydra\n"
+            "def task(cfg):\n"
+            f"    {body}\n"
+            "run_hydra('config', task, sys.argv[1:])\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                          text=True, capture_output=True, timeout=300)
+
+
 def test_device_out_of_memory_is_one_line(tmp_path):
     """A CUDA OOM (``torch.OutOfMemoryError``, raised here by a stand-in task) ends in one ``error:`` line with
     the allocator's figures and what to change, exit 1, no traceback (seen on the H200 when Megatron-core's local
     spec met llama1b_h200 at micro-batch 4)."""
-    code = ("import sys, torch\n"
-            "from forgetrain.cli import run_hydra\n"
-            "def task(cfg):\n"
-            "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total "
-            "capacity of 139.80 GiB of which 3.94 GiB is free. See documentation for Memory Management')\n"
-            "run_hydra('config', task, sys.argv[1:])\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                       text=True, capture_output=True, timeout=300)
+    p = stand_in_task("raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a "
+                      "total capacity of 139.80 GiB of which 3.94 GiB is free. See documentation for Memory "
+                      "Management')", tmp_path)
     assert p.returncode == 1, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     errs = [x for x in p.stderr.splitlines() if x.startswith("error:")]
