@@ -218,8 +218,9 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
 def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) -> None:
     """``forgetrain.disk.check`` on rank 0 before the run writes anything (a resume counts the checkpoints already
     under ``out``); its refusal is raised on every rank as ConfigError."""
-    from forgetrain import checkpoint, disk
+    from forgetrain import disk
     from forgetrain.errors import ConfigError
+    from forgetrain.trace import stale_temp_files
 
     line = None
     if env.rank == 0:
@@ -230,8 +231,6 @@ def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) 
             last = checkpoint.latest(root)
             done = int(last.name.split("_")[-1]) if last is not None else 0
         c = cfg if final_params else _with_train(cfg, final_params=False)
-        from forgetrain.trace import stale_temp_files
-
         # what the run deletes before it writes: a killed run's temp files (the trace writer removes them), and
         # with train.overwrite the previous run's checkpoints and trace
         freed = sum(f.stat().st_size for f in stale_temp_files(out / "trace"))
