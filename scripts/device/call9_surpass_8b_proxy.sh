@@ -4,7 +4,9 @@
 # Megatron-core (local spec) needs ~117 GiB here, so the surpass timing runs in A-B-A blocks (one engine in memory
 # at a time). Each seed is about 170 s; the judgement about 200 s.
 #   PART=a: golden seeds 1234 1235 1236.   PART=b: seeds 1237 1238, then the fast default at surpass.
-#   SEEDS overrides the part's seeds; SEEDS= PART=b runs the judgement alone.
+#   SEEDS overrides the part's seeds; SEEDS= PART=b runs the judgement alone. CAND adds candidate overrides and
+#   TAG names its files, e.g. SEEDS= PART=b TAG=levers CAND="engine.grad_accum_fusion=true kernels.adamw=triton
+#   engine.onepass_optimizer=true kernels.allow_unsealed=true" (the surpass evidence a default flip needs).
 #   run: PART=a bash scripts/device/call9_surpass_8b_proxy.sh ; then PART=b ...   (carry [".whl"])
 # Stored (2026-12-02): all 5 seeds, references/goldens/h200/llama8b_h100-loss_curve-24b726ebc7bf. Extract each
 # returned tar at the repo root before the next call.
@@ -22,10 +24,12 @@ for s in $SEEDS; do
   tar cf $OUT/call9_golden_${PART:-a}.tar references/goldens/h200 2>/dev/null
 done
 if [ "${PART:-a}" = b ]; then
-  echo "$(ts) == fast default: surpass vs 5 seeds ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $P tier=surpass verify.golden=true \
+  # CAND: extra candidate overrides (the levers before they enter the scenario default), TAG names the files
+  CAND=${CAND:-}; TAG=${TAG:-fast_default}
+  echo "$(ts) == $TAG [${CAND}]: surpass vs 5 seeds ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $P $CAND tier=surpass verify.golden=true \
     "verify.seeds=[1234,1235,1236,1237,1238]" verify.out_dir=/tmp/v8 2>&1 | filt 8
-  cp /tmp/v8/verdict.json $OUT/call9_fast_default_verdict.json 2>/dev/null
-  cp /tmp/v8/loss_curves.png $OUT/call9_fast_default_loss_curves.png 2>/dev/null
+  cp /tmp/v8/verdict.json $OUT/call9_${TAG}_verdict.json 2>/dev/null
+  cp /tmp/v8/loss_curves.png $OUT/call9_${TAG}_loss_curves.png 2>/dev/null
 fi
 echo "$(ts) done"
