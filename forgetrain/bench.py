@@ -153,8 +153,18 @@ def reduce_over_ranks(times: dict) -> dict:
     return out
 
 
-def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
-    """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init."""
+def unavailable_reason(name: str, exc: ImportError) -> str:
+    """The one-line reason a bench side cannot run in this environment: the ImportError that building it raised
+    (e.g. a general framework whose release needs a newer torch), with the torch it met. Stored in bench.json under
+    "unavailable" and printed in place of its row."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{name} cannot run here (torch {torch.__version__}): {type(exc).__name__}: {first}"
+
+
+def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable: Optional[dict] = None) -> dict:
+    """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init. A side
+    whose construction raises ImportError is left out and, when ``unavailable`` is given, its
+    :func:`unavailable_reason` is stored there (side -> line); without it the ImportError propagates."""
     from forgetrain import registry
 
     device = _device(cfg)
@@ -162,7 +172,13 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
     init = None
     for name in against:
         torch.manual_seed(cfg.train.seed)
-        eng = registry.load_engine_class("references", name)(cfg, device)
+        try:
+            eng = registry.load_engine_class("references", name)(cfg, device)
+        except ImportError as e:
+            if unavailable is None:
+                raise
+            unavailable[name] = unavailable_reason(name, e)
+            continue
         if init is None:
             init = eng.export_hf_weights()
         else:
@@ -181,7 +197,9 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None) -> dict:
 PROFILE_RULES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|gloo|c10d|comms|all_?reduce|reduce_?scatter|all_?gather"),
     ("optimizer", r"adam|_foreach|multi_tensor"),
-    ("cross-entropy", r"cross_?entropy|nll|log_?softmax|\b_ce_"),
+    # gather_log|logsumexp: inductor's kernel of the forged chunked CE (logsumexp form: "..._exp_gather_log_mul_
+    # prepare_softmax_online_...", 2026-12-02 H200 profile), which the softmax rule below took for attention
+    ("cross-entropy", r"cross_?entropy|nll|log_?softmax|\b_ce_|gather_log|logsumexp"),
     ("norm", r"rms_?norm|layer_?norm"),
     ("attention", r"sdpa|scaled_dot_product|flash|cudnn|efficient_attention|softmax"),
     ("GEMM", r"\b_?(baddbmm|addmm|bmm|mm|matmul)|linear|gemm|cutlass|sm90|nvjet|xmma"),
@@ -364,6 +382,8 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
             times["_oom"] = times.get("_oom", []) + [name]
             gc.collect()
             torch.cuda.empty_cache()
+        except ImportError as e:  # the side's framework cannot run on this torch: one line, the others still run
+            times.setdefault("_unavailable", {})[name] = unavailable_reason(name, e)
     last = block("forged", lambda: forged_cls(cfg, device))
     times["forged"] = first + last
     times["_forged_blocks"] = [statistics.median(first), statistics.median(last)]
@@ -375,11 +395,17 @@ def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, int
     """(mode, side -> step seconds) for the forged engine and ``against``: interleaved A/B when every side fits
     in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
     (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun). With
-    ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`)."""
+    ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`).
+    A side that cannot be built here (ImportError) is not timed; ``"_unavailable"`` maps it to its one-line reason
+    (:func:`unavailable_reason`)."""
     fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * (
         torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda" else 8e9)
     if interleave == "always" or (interleave == "auto" and fits):
-        mode, times = "interleaved", time_sides(cfg, build_sides(cfg, against, engine_cls), steps, warmup, profile_dir)
+        unavailable: dict = {}
+        sides = build_sides(cfg, against, engine_cls, unavailable)
+        mode, times = "interleaved", time_sides(cfg, sides, steps, warmup, profile_dir)
+        if unavailable:
+            times["_unavailable"] = unavailable  # type: ignore[assignment]
     else:
         mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls, profile_dir)
     return mode, reduce_over_ranks(times)
@@ -409,7 +435,9 @@ def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_c
     if reference not in t:
         from forgetrain.errors import ConfigError
 
-        raise ConfigError(f"references/{reference} ran out of memory at this shape: no speed comparison possible")
+        why = t.get("_unavailable", {}).get(reference)
+        raise ConfigError(f"{why}: no speed comparison possible" if why else
+                          f"references/{reference} ran out of memory at this shape: no speed comparison possible")
     return t[reference], t["forged"]
 
 
@@ -548,6 +576,8 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
     print_table(rows)
     for name in times.get("_oom", []):
         print(f"{name}: out of memory at this shape (not timed)")
+    for line in times.get("_unavailable", {}).values():
+        print(f"{line} (not timed)")
     if "_forged_blocks" in times:
         a, c = times["_forged_blocks"]
         print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
@@ -566,7 +596,8 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
     single_cfg = single_micro_batch_config(rc)
     single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
     if b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size:
-        single = timed_sides(single_cfg, list(b.against), b.steps, b.warmup, b.interleave)
+        runnable = [s for s in b.against if s not in times.get("_unavailable", {})]  # not built twice to fail
+        single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave)
     if rank != 0:
         return
     warning = headline_warning(rc)
@@ -585,6 +616,7 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
     atomic_write_json(out / "bench.json", {"rows": rows, "rows_single_micro_batch": rows_single, "mode": mode,
                                            "oom": times.get("_oom", []),
                                            "oom_single_micro_batch": single[1].get("_oom", []) if single else [],
+                                           "unavailable": times.get("_unavailable", {}),
                                            "profile": times.get("_profile"),
                                            "engine_info": times.get("_info"),
                                            "forged_blocks_s": times.get("_forged_blocks"),

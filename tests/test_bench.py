@@ -159,6 +159,9 @@ def test_bench_switches_are_booleans(tmp_path, key):
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
      "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "cross-entropy"),
     ("_VocabParallelCrossEntropy", "cross-entropy"), ("_ce_fwd_kernel", "cross-entropy"),
+    ("triton_red_fused__to_copy_add_arange_div_eq_exp_gather_log_mul_prepare_softmax_online_sub_unsqueeze_0",
+     "cross-entropy"),  # the forged chunked CE under inductor (it once counted as attention: "softmax")
+    ("aten::logsumexp", "cross-entropy"),
     ("Optimizer.step#AdamW.step", "optimizer"), ("aten::_foreach_mul_", "optimizer"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<4>>", "optimizer"),
     ("aten::rms_norm", "norm"), ("_rmsnorm_fwd_kernel", "norm"),
@@ -210,3 +213,69 @@ def test_profile_check_catches_a_classifier_without_gemm(tmp_path, monkeypatch):
     assert bench.classify("aten::addmm") == "other" and broken["categories"]["GEMM"]["ms"] == 0
     with pytest.raises(AssertionError, match="no GEMM time"):
         _check_profile(broken)
+
+
+def _micro_cfg():
+    import dataclasses
+
+    from hydra import compose, initialize_config_dir
+
+    from forgetrain.config import register_configs, to_run_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        c = to_run_config(compose(config_name="config", overrides=["model=llama_micro"]))
+    return dataclasses.replace(c, train=dataclasses.replace(c.train, micro_batch_size=2, global_batch_size=2,
+                                                            threads=1))
+
+
+def _sides_with_an_unrunnable_one(monkeypatch):
+    """The registry, patched: side 'broken' raises the ImportError torchtitan 0.3.0 raised on the H200's torch
+    2.11 (2026-12-02); 'megatron' builds as usual."""
+    from forgetrain import registry
+
+    real = registry.load_engine_class
+
+    class _Broken:
+        def __init__(self, cfg, device):
+            raise ImportError("cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'")
+
+    monkeypatch.setattr(registry, "load_engine_class",
+                        lambda kind, name: _Broken if name == "broken" else real(kind, name))
+
+
+@pytest.mark.parametrize("interleave", ["always", "never"])
+def test_a_side_that_cannot_run_here_is_one_line_and_the_others_are_timed(monkeypatch, interleave):
+    """A general framework that cannot be built on this torch (ImportError) is reported with its reason, the
+    other sides are still timed; in both timing modes."""
+    from forgetrain import bench
+
+    _sides_with_an_unrunnable_one(monkeypatch)
+    cfg = _micro_cfg()
+    _, times = bench.timed_sides(cfg, ["broken", "megatron"], steps=1, warmup=0, interleave=interleave)
+    assert len(times["forged"]) >= 1 and len(times["megatron"]) == 1 and "broken" not in times
+    why = times["_unavailable"]["broken"]
+    assert why.startswith("broken cannot run here (torch ") and "DataParallelMeshDims" in why
+    assert "\n" not in why
+    rows = bench.summarize(cfg, times)
+    assert {r["side"] for r in rows} == {"forged", "megatron"}
+
+
+def test_surpass_timing_against_an_unrunnable_reference_is_a_config_error(monkeypatch):
+    """The surpass tier cannot compare speeds with a reference that cannot run: one ConfigError with the reason,
+    not an out-of-memory claim."""
+    from forgetrain import bench
+    from forgetrain.errors import ConfigError
+
+    _sides_with_an_unrunnable_one(monkeypatch)
+    with pytest.raises(ConfigError, match="broken cannot run here .*DataParallelMeshDims.*no speed comparison"):
+        bench.side_by_side_step_times(_micro_cfg(), "broken", steps=1, warmup=0)
+
+
+def test_build_sides_without_a_store_raises_the_import_error(monkeypatch):
+    """Callers that do not ask for the reasons (``unavailable=None``) see the ImportError itself."""
+    from forgetrain import bench
+
+    _sides_with_an_unrunnable_one(monkeypatch)
+    with pytest.raises(ImportError, match="DataParallelMeshDims"):
+        bench.build_sides(_micro_cfg(), ["broken"])

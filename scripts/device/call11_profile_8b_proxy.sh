@@ -7,13 +7,13 @@
 # Expect about 450 s.     run: bash scripts/device/call11_profile_8b_proxy.sh ; SHAPE=1b ...  (carry [".whl"])
 # 2026-12-02: gradient-accumulation fusion and the one-pass optimizer passed their tiers on the GPU (call12), so
 # the forged side now runs with both (LEVERS; LEVERS= for the scenario default alone). SHAPE=1b times the issue's
-# second workload instead: llama1b_h200 at its real shape (16 layers, seq 4096), micro-batch 4 x grad-accum 4.
+# second workload instead: llama1b_h200 at its real shape (16 layers, seq 4096), micro-batch 4 x grad-accum 8 (global batch 32; the house headline needs grad-accum >= 8).
 set -u
 . scripts/device/setup.sh
 LEVERS=${LEVERS-"engine.grad_accum_fusion=true kernels.adamw=triton engine.onepass_optimizer=true kernels.allow_unsealed=true"}
 case "${SHAPE:-8b}" in
   8b) W="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8"; tag=8b_proxy_gbs8 ;;
-  1b) W="scenario=llama1b_h200 train.micro_batch_size=4 train.global_batch_size=16"; tag=1b_gbs16 ;;
+  1b) W="scenario=llama1b_h200 train.micro_batch_size=4 train.global_batch_size=32"; tag=1b_gbs32 ;;
   *) echo "error: SHAPE must be 8b or 1b"; exit 2 ;;
 esac
 echo "$(ts) == bench + profile, $tag, forged with [$LEVERS] ($(left) s left)"

@@ -11,10 +11,12 @@
 set -u
 . scripts/device/setup.sh
 side=${SIDE:-torchtitan}
+# the forged side runs with the levers that passed their tiers on the GPU (as in call 11); LEVERS= for the default
+LEVERS=${LEVERS-"engine.grad_accum_fusion=true kernels.adamw=triton engine.onepass_optimizer=true kernels.allow_unsealed=true"}
 python3 -c "import $side; print('$side', $side.__version__ if hasattr($side, '__version__') else '')" 2>&1 | tail -1
 echo "$(ts) == bench, llama8b_h100 proxy, GBS 8, forged vs $side ($(left) s left)"
 timeout $(left) python3 -m forgetrain.bench scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 \
-  train.global_batch_size=8 train.deterministic=false "bench.against=[$side]" bench.steps=6 bench.warmup=2 \
+  train.global_batch_size=8 $LEVERS train.deterministic=false "bench.against=[$side]" bench.steps=6 bench.warmup=2 \
   bench.interleave=never parallel.timeout_s=60 bench.out_dir=/tmp/b15 2>&1 | filt 30
 cp /tmp/b15/bench.json $OUT/call15_bench_8b_proxy_gbs8_$side.json 2>/dev/null
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader

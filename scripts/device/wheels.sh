@@ -28,9 +28,11 @@ if [ -n "${SIDES:-}" ]; then
   dest=$side fetch torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser typeguard einops==0.8.2 \
     hjson msgpack py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
     torch_checkpointing torchdata
-  # DeepSpeed publishes only a source archive; its ops compile just in time, so a pure-Python wheel built here runs
+  # DeepSpeed publishes only a source archive; its ops compile just in time, so a pure-Python wheel built here runs.
+  # Its setup.py imports torch, so it builds with the project's venv (the system python has no torch).
+  py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python
   ls "$side"/deepspeed-* >/dev/null 2>&1 || \
-    DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$side" deepspeed==0.19.8
+    DS_BUILD_OPS=0 $py -m pip wheel -q --no-deps --no-build-isolation -w "$side" deepspeed==0.19.8
   du -sh "$side"
 fi
 du -sh "$dest"
