@@ -323,5 +323,29 @@ def check(cfg) -> None:
             f"engine.optimizer_offload_fraction={cfg.engine.optimizer_offload_fraction} pins an estimated "
             f"{pinned / GIB:.1f} GiB of host memory for the AdamW moments (each tensor's rounded up to a power of "
             f"two by torch's pinned allocator) but this machine has {ram / GIB:.1f} GiB less a "
-            f"{HOST_RESERVE_BYTES / GIB:.0f} GiB reserve; lower engine.optimizer_offload_fraction "
+            f"{HOST_RESERVE_BYTES / GIB:.0f} GiB reserve; lower engine.optimizer_offload_fraction"
+            f"{_without_offload_hint(cfg, capacity)} "
             f"(forgetrain/memory.py has the estimate; train.skip_memory_check=true runs anyway)")
+
+
+def _without_offload_hint(cfg, capacity: int) -> str:
+    """For the host-memory refusal: when the config without offload no longer fits the device, the layout that
+    does (full recompute, and per-layer bf16 weights under bf16), as overrides; "" when no offload fits as it is
+    or nothing does."""
+    import dataclasses
+
+    def fits(**engine) -> bool:
+        c = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, optimizer_offload_fraction=0.0, **engine))
+        return refusal(estimate(c), capacity, "device", c) is None
+
+    if fits():
+        return ""
+    lean = {"recompute": "full", "recompute_num_layers": None}
+    if cfg.train.precision == "bf16" and cfg.parallel.data_parallel_size == 1 and cfg.parallel.zero_stage == 0:
+        lean["bf16_weights"] = "per_layer"
+    if not fits(**lean):
+        return ""
+    return (" (at 0 this model fits the device only with "
+            + " ".join(f"engine.{k}={v}" for k, v in
+                       {"optimizer_offload_fraction": 0, **{k: v for k, v in lean.items() if v is not None}}.items())
+            + ")")

@@ -183,12 +183,34 @@ def test_cli_trains_when_it_fits_or_when_skipped(tmp_path):
     assert (out2 / "trace" / "trace.jsonl").exists()
 
 
+# the scenario's device-only layout (no host memory): the AdamW moments on the GPU, so every layer is recomputed
+# and the layers keep no bf16 copy between steps
+DEVICE_ONLY = ["engine.optimizer_offload_fraction=0", "engine.recompute=full", "engine.bf16_weights=per_layer"]
+
+
+def test_llama8b_h200_default_offloads_and_fits_with_headroom(monkeypatch):
+    """The scenario default (AdamW moments in host memory, every activation stored, resident bf16 weights, global
+    batch 32) fits a 139 GiB H200 by the estimate with at least 5 GiB left (issue 18's goal; 115.0 GiB measured on
+    the H200, 2026-12-02) and pins 68 GiB of host memory; without the offload it is refused before any step."""
+    cfg = _compose(["scenario=llama8b_h200"])
+    e = cfg.engine
+    assert (cfg.model.num_layers, cfg.model.seq_length, e.recompute, e.bf16_weights, e.optimizer_offload_fraction,
+            cfg.train.global_batch_size) == (32, 8192, "none", "resident", 1.0, 32)
+    monkeypatch.setenv(memory.FAKE_DEVICE_ENV, "139")
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 128 * GIB)
+    memory.check(cfg)
+    assert 139 * GIB - estimate(cfg).total_bytes >= 5 * GIB
+    bad = dataclasses.replace(cfg, engine=dataclasses.replace(e, optimizer_offload_fraction=0.0))
+    with pytest.raises(ConfigError, match="this config needs an estimated"):
+        memory.check(bad)
+
+
 def test_llama8b_h200_fits_with_headroom_and_needs_its_memory_layout(monkeypatch):
-    """The full-depth scenario (32 layers, seq 8192) fits a 139 GiB H200 by the estimate with at least 5 GiB
-    left (issue 18's goal); without per-layer bf16 weights, or without recompute, it is refused before any step."""
+    """The full-depth scenario's device-only layout (32 layers, seq 8192) fits a 139 GiB H200 by the estimate with
+    at least 5 GiB left; without per-layer bf16 weights, or without recompute, it is refused before any step."""
     from forgetrain.metrics import param_counts
 
-    cfg = _compose(["scenario=llama8b_h200"])
+    cfg = _compose(["scenario=llama8b_h200", *DEVICE_ONLY])
     m = cfg.model
     assert (m.num_layers, m.seq_length, cfg.engine.recompute, cfg.engine.bf16_weights) == (32, 8192, "full",
                                                                                            "per_layer")
@@ -211,7 +233,7 @@ def test_block_recompute_estimate_by_hand(monkeypatch):
     plus the one being recomputed, plus R saved inputs; R = L is full recompute, R = 0 stores every layer."""
     from forgetrain.metrics import param_counts
 
-    cfg = _compose(["scenario=llama8b_h200"])
+    cfg = _compose(["scenario=llama8b_h200", *DEVICE_ONLY])
     m, L = cfg.model, cfg.model.num_layers
     n = param_counts(m)["total"]
     n_layer = (n - 2 * m.vocab_size * m.hidden_size - m.hidden_size) // L
@@ -236,9 +258,10 @@ def test_block_recompute_estimate_by_hand(monkeypatch):
 
 
 def test_refusal_names_only_the_remedies_not_yet_in_effect(monkeypatch):
-    """The 8B scenario on a CPU host already has recompute, per-layer weights and fusion on, and offload moves
-    nothing on the host: the refusal must not suggest them. On a too-small GPU it suggests the offload."""
-    cfg = _compose(["scenario=llama8b_h200"])
+    """The 8B scenario's device-only layout on a CPU host already has recompute, per-layer weights and fusion on,
+    and offload moves nothing on the host: the refusal must not suggest them. On a too-small GPU it suggests the
+    offload."""
+    cfg = _compose(["scenario=llama8b_h200", *DEVICE_ONLY])
     cpu = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, device="cpu"))
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: 24 * GIB)
     with pytest.raises(ConfigError) as e:
@@ -296,6 +319,14 @@ def test_offload_that_cannot_be_pinned_is_refused_in_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"pins an estimated 68\.0 GiB of host memory") as e:
         memory.check(cfg)
     assert "\n" not in str(e.value) and "lower engine.optimizer_offload_fraction" in str(e.value)
+    # the scenario default stores every layer: at offload 0 it needs the device-only layout, and the line says so
+    assert ("at 0 this model fits the device only with engine.optimizer_offload_fraction=0 engine.recompute=full "
+            "engine.bf16_weights=per_layer") in str(e.value)
+    lean = _compose(["scenario=llama8b_h200", "engine.optimizer_offload_fraction=1.0", "engine.recompute=full",
+                     "engine.bf16_weights=per_layer"])
+    with pytest.raises(ConfigError) as e:
+        memory.check(lean)  # already lean: lowering the fraction alone is the remedy
+    assert "fits the device only with" not in str(e.value)
     skipped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, skip_memory_check=True))
     memory.check(skipped)
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: None)  # the platform does not say: nothing to check

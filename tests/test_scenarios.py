@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["hardware=cpu", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
         "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=176", "model.seq_length=16",
         "engine.compile=false", "kernels.cross_entropy=torch", "kernels.adamw=torch", "train.precision=fp32"]
+# llama8b_h200's device-only layout (its default offloads the AdamW moments to host memory instead)
+DEVICE_ONLY = ["engine.optimizer_offload_fraction=0", "engine.recompute=full", "engine.bf16_weights=per_layer"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,7 +130,8 @@ def test_llama8b_h200_memory_layout_trains_at_a_tiny_shape_on_cpu(mode):
     at a tiny bf16 shape: the layers hold fp32 weights only, and the loss falls."""
     over = ["scenario=llama8b_h200", *TINY, "train.precision=bf16", f"engine.mode={mode}",
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=2", "train.lr_warmup_steps=0",
-            f"engine.grad_accum_fusion={mode == 'fast'}"]  # exact mode keeps Megatron's bf16 .grad (no fusion)
+            f"engine.grad_accum_fusion={mode == 'fast'}",  # exact mode keeps Megatron's bf16 .grad (no fusion)
+            *DEVICE_ONLY]
     _check_job("config", over)
     rc = _run_config(over)
     assert (rc.engine.recompute, rc.engine.bf16_weights) == ("full", "per_layer")
@@ -145,4 +148,25 @@ def test_llama8b_h200_memory_layout_trains_at_a_tiny_shape_on_cpu(mode):
 def test_llama8b_h200_refuses_fp32_with_one_line():
     with pytest.raises(ConfigError, match="engine.bf16_weights=per_layer needs engine.recompute=full, "
                                           "train.precision=bf16"):
-        _check_job("config", ["scenario=llama8b_h200", *TINY])
+        _check_job("config", ["scenario=llama8b_h200", *TINY, *DEVICE_ONLY])
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_llama8b_h200_default_layout_trains_at_a_tiny_shape_on_cpu(mode):
+    """The scenario default (every AdamW moment offloaded, activations stored, resident bf16 weights) at a tiny
+    bf16 shape: no moment stays with the engine's device state, and the loss falls."""
+    over = ["scenario=llama8b_h200", *TINY, "train.precision=bf16", f"engine.mode={mode}",
+            "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=2", "train.lr_warmup_steps=0",
+            f"engine.grad_accum_fusion={mode == 'fast'}"]
+    _check_job("config", over)
+    rc = _run_config(over)
+    assert (rc.engine.recompute, rc.engine.bf16_weights, rc.engine.optimizer_offload_fraction) == \
+        ("none", "resident", 1.0)
+    engine = registry.resolve_engine(rc.scenario.engine)(rc, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    mbs = [torch.randint(0, rc.model.vocab_size, (2, rc.model.seq_length + 1), generator=g) for _ in range(2)]
+    first = engine.train_step(mbs)
+    for _ in range(5):
+        last = engine.train_step(mbs)
+    assert last.loss < first.loss - 0.1, (first.loss, last.loss)
+    assert engine.bench_info["optimizer_offload_fraction"] == 1.0

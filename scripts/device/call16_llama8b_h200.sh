@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# Device call 16 (one H200): the llama8b_h200 scenario (issue 18), full-depth Llama-3-8B on one GPU with
-# engine.recompute=full, engine.bf16_weights=per_layer and gradient accumulation fusion. One part per call:
+# Device call 16 (one H200): the llama8b_h200 scenario (issue 18), full-depth Llama-3-8B on one GPU. Its default
+# (since 2026-12-02's second session) offloads the AdamW moments to host memory (engine.optimizer_offload_fraction
+# 1.0), stores every activation and keeps resident bf16 weights, with gradient accumulation fusion, at global batch
+# 32; DEV is its device-only layout (no offload, engine.recompute=full, engine.bf16_weights=per_layer), the
+# default before that. One part per call:
 #   PART=a  equivalence at a depth Megatron-core fits (8B width, 2 layers, seq 2048, micro-batch 1 x grad-accum 2):
-#           exact mode with the scenario's memory layout at the bitwise tier (deterministic), then the fast default
-#           at the tolerance tier (stricter than every fast optimisation's declared tier). Measured 2026-12-02:
+#           exact mode with the device-only layout (DEV) at the bitwise tier (deterministic), then the fast default
+#           (the offload layout since the second session) at the tolerance tier (stricter than every fast
+#           optimisation's declared tier). Measured 2026-12-02:
 #           5.2-5.7 min per bitwise check before the threaded digests, 2.9 min after (the offload check of
 #           PART=f); a3 alone 232 s. Two checks fit one call now: A="a1 a2", then A=a3.
-#   PART=b  the real run: full depth (32 layers, seq 8192), 120 steps on the embedded Shakespeare text at global
-#           batch 1, no checkpoint (the fp32 state is 96 GB on a 64 GB disk); the loss must fall; peak memory is in
-#           every trace record (mem_gib). No final-weights export either (32 GB: forgetrain.disk refuses it on
-#           the device's disk). Measured 2026-12-02: 241 s; loss 12.51 -> 5.85, peak 126.8 GiB, 1.03 s per step.
-#   PART=c  python -m forgetrain.bench scenario=llama8b_h200 at global batch 8 (grad-accum 8) and one micro-batch,
+#   PART=b  the real run: full depth (32 layers, seq 8192), 120 steps of the scenario default on the embedded
+#           Shakespeare text at global batch 1 (DEV_RUN=1: the device-only layout), no checkpoint (the fp32
+#           state is 96 GB on a 64 GB disk); the loss must fall; peak memory is in every trace record (mem_gib).
+#           No final-weights export either (32 GB: forgetrain.disk refuses it on the device's disk). Measured
+#           2026-12-02 with the device-only layout: 241 s; loss 12.51 -> 5.85, peak 126.8 GiB, 1.03 s per step.
+#           The default's step at one micro-batch is about 2.2 s (the offload's fixed cost): about 5 min.
+#   PART=c  python -m forgetrain.bench scenario=llama8b_h200 at its global batch 32 (grad-accum 32) and one
+#           micro-batch, warm-up 1, median of 3 (each offload step is about 25 s; about 6 min),
 #           A-B-A beside torchtitan (FSDP2 on one rank, its own full activation checkpointing under
-#           engine.recompute=full); needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). About 8 min.
+#           engine.recompute=full); needs .whl_sides (SIDES=1 bash scripts/device/wheels.sh). torchtitan 0.3.0
+#           cannot run on the device's torch 2.11 (2026-12-02): the bench prints why in one line.
 #   PART=d  the same beside torch.compile (fp32 weights under autocast, fused AdamW, every block checkpointed).
 #           A side that runs out of memory is reported as such by the bench (the answer "none fits" is a result).
-#   PART=e  the recompute knob: the forged engine alone at global batch 8, engine.recompute_num_layers 32, 30, 28
+#   PART=e  the recompute knob of the device-only layout: the forged engine alone at global batch 8,
+#           engine.recompute_num_layers 32, 30, 28
 #           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
 #   PART=f  the optimizer offload (AdamW moments in pinned host memory, streamed through the GPU): the forged
 #           engine alone at global batch 8 with no recompute and resident bf16 weights, at
@@ -30,6 +39,7 @@
 set -u
 . scripts/device/setup.sh
 S="scenario=llama8b_h200 hardware=h200 parallel.timeout_s=60"
+DEV="engine.optimizer_offload_fraction=0 engine.recompute=full engine.bf16_weights=per_layer"
 SMALL="model.num_layers=2 model.seq_length=2048 train.micro_batch_size=1 train.global_batch_size=2 \
 train.lr_warmup_steps=2"
 GBS=${GBS:-8}   # PART=e and f: the global batch (micro-batch 1, so grad-accum GBS); the file names carry it unless 8
@@ -40,14 +50,14 @@ a)
   A=${A:-"a1 a2 a3"}
   if [[ $A == *a1* ]]; then
   echo "$(ts) == exact mode, per-layer bf16 weights + recompute: bitwise vs Megatron-core ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL $DEV engine.mode=exact engine.grad_accum_fusion=false \
     engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
     verify.steps=6 verify.out_dir=/tmp/v16a 2>&1 | filt 6
   cp /tmp/v16a/verdict.json $OUT/call16_exact_bitwise_verdict.json 2>/dev/null
   fi
   if [[ $A == *a2* ]]; then
   echo "$(ts) == exact mode, block recompute (first layer only): bitwise vs Megatron-core ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL $DEV engine.mode=exact engine.grad_accum_fusion=false \
     engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
     engine.recompute_num_layers=1 verify.steps=6 verify.out_dir=/tmp/v16b 2>&1 | filt 6
   cp /tmp/v16b/verdict.json $OUT/call16_exact_block_bitwise_verdict.json 2>/dev/null
@@ -60,8 +70,8 @@ a)
   fi
   ;;
 b)
-  echo "$(ts) == full depth, 120 steps ($(left) s left)"
-  timeout $(left) python3 -m forgetrain $S train.steps=120 train.global_batch_size=1 train.lr_warmup_steps=10 \
+  echo "$(ts) == full depth, 120 steps ${DEV_RUN:+(device-only layout) }($(left) s left)"
+  timeout $(left) python3 -m forgetrain $S ${DEV_RUN:+$DEV} train.steps=120 train.global_batch_size=1 train.lr_warmup_steps=10 \
     train.save=false train.final_params=false train.log_interval=10 train.out_dir=/tmp/r16 2>&1 | filt 8
   cp /tmp/r16/trace/trace.jsonl $OUT/call16_full_depth_trace.jsonl 2>/dev/null
   python3 - <<'PY'
@@ -77,16 +87,16 @@ PY
   ;;
 c|d)
   [ "$PART" = c ] && side=torchtitan || side=torch_compile
-  echo "$(ts) == bench: forged vs $side, GBS 8 + one micro-batch ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.steps=4 bench.warmup=2 \
+  echo "$(ts) == bench: forged (scenario default) vs $side, GBS 32 + one micro-batch ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.steps=3 bench.warmup=1 \
     bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
-  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs8_$side.json 2>/dev/null
+  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs32_$side.json 2>/dev/null
   ;;
 e)
   for n in 32 30 28; do
     echo "$(ts) == bench: forged alone, engine.recompute_num_layers=$n, GBS $GBS ($(left) s left)"
     timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
-      engine.recompute_num_layers=$n train.global_batch_size=$GBS train.deterministic=false \
+      $DEV engine.recompute_num_layers=$n train.global_batch_size=$GBS train.deterministic=false \
       bench.out_dir=/tmp/b16e$n 2>&1 | filt 12
     cp /tmp/b16e$n/bench.json $OUT/call16_bench_recompute_layers_$n$G.json 2>/dev/null
   done
