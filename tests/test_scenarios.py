@@ -124,19 +124,26 @@ def test_llama3b_engine_builds_and_trains_at_a_tiny_shape_on_cpu(mode):
         "scenarios.llama_tiny_cpu.engine:Engine")(rc, torch.device("cpu")).export_hf_weights())
 
 
+@pytest.mark.parametrize("layout", ["default", "device_only"])
 @pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_llama8b_h200_memory_layout_trains_at_a_tiny_shape_on_cpu(mode):
-    """The full-depth 8B scenario's own switches (recompute, per-layer bf16 weights, gradient accumulation fusion)
-    at a tiny bf16 shape: the layers hold fp32 weights only, and the loss falls."""
+def test_llama8b_h200_memory_layouts_train_at_a_tiny_shape_on_cpu(mode, layout):
+    """The full-depth 8B scenario's two layouts at a tiny bf16 shape, the loss falling in each: the default (every
+    AdamW moment offloaded to host memory, activations stored, resident bf16 weights) and the device-only one
+    (recompute, per-layer bf16 weights: the layers hold fp32 weights only)."""
     over = ["scenario=llama8b_h200", *TINY, "train.precision=bf16", f"engine.mode={mode}",
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=2", "train.lr_warmup_steps=0",
             f"engine.grad_accum_fusion={mode == 'fast'}",  # exact mode keeps Megatron's bf16 .grad (no fusion)
-            *DEVICE_ONLY]
+            *(DEVICE_ONLY if layout == "device_only" else [])]
     _check_job("config", over)
     rc = _run_config(over)
-    assert (rc.engine.recompute, rc.engine.bf16_weights) == ("full", "per_layer")
+    e = rc.engine
     engine = registry.resolve_engine(rc.scenario.engine)(rc, torch.device("cpu"))
-    assert {p.dtype for n, p in engine.model.named_parameters() if n.startswith("layers.")} == {torch.float32}
+    if layout == "default":
+        assert (e.recompute, e.bf16_weights, e.optimizer_offload_fraction) == ("none", "resident", 1.0)
+        assert engine.bench_info["optimizer_offload_fraction"] == 1.0
+    else:
+        assert (e.recompute, e.bf16_weights) == ("full", "per_layer")
+        assert {p.dtype for n, p in engine.model.named_parameters() if n.startswith("layers.")} == {torch.float32}
     g = torch.Generator().manual_seed(0)
     mbs = [torch.randint(0, rc.model.vocab_size, (2, rc.model.seq_length + 1), generator=g) for _ in range(2)]
     first = engine.train_step(mbs)
@@ -150,23 +157,3 @@ def test_llama8b_h200_refuses_fp32_with_one_line():
                                           "train.precision=bf16"):
         _check_job("config", ["scenario=llama8b_h200", *TINY, *DEVICE_ONLY])
 
-
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_llama8b_h200_default_layout_trains_at_a_tiny_shape_on_cpu(mode):
-    """The scenario default (every AdamW moment offloaded, activations stored, resident bf16 weights) at a tiny
-    bf16 shape: no moment stays with the engine's device state, and the loss falls."""
-    over = ["scenario=llama8b_h200", *TINY, "train.precision=bf16", f"engine.mode={mode}",
-            "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=2", "train.lr_warmup_steps=0",
-            f"engine.grad_accum_fusion={mode == 'fast'}"]
-    _check_job("config", over)
-    rc = _run_config(over)
-    assert (rc.engine.recompute, rc.engine.bf16_weights, rc.engine.optimizer_offload_fraction) == \
-        ("none", "resident", 1.0)
-    engine = registry.resolve_engine(rc.scenario.engine)(rc, torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    mbs = [torch.randint(0, rc.model.vocab_size, (2, rc.model.seq_length + 1), generator=g) for _ in range(2)]
-    first = engine.train_step(mbs)
-    for _ in range(5):
-        last = engine.train_step(mbs)
-    assert last.loss < first.loss - 0.1, (first.loss, last.loss)
-    assert engine.bench_info["optimizer_offload_fraction"] == 1.0
