@@ -23,6 +23,7 @@
 #           cannot run on the device's torch 2.11 (2026-12-02): the bench prints why in one line.
 #   PART=d  the same beside torch.compile (fp32 weights under autocast, fused AdamW, every block checkpointed).
 #           A side that runs out of memory is reported as such by the bench (the answer "none fits" is a result).
+#   PART=cd both sides in one call (the forged side timed once; carry [".whl", ".whl_sides"]).
 #   PART=e  the recompute knob of the device-only layout: the forged engine alone at global batch 8,
 #           engine.recompute_num_layers 32, 30, 28
 #           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
@@ -85,12 +86,12 @@ if recs:
           f"mfu_pct {last['mfu_pct']:.1f}  mfu_causal_pct {last['mfu_causal_pct']:.1f}")
 PY
   ;;
-c|d)
-  [ "$PART" = c ] && side=torchtitan || side=torch_compile
+c|d|cd)
+  case $PART in c) side=torchtitan ;; d) side=torch_compile ;; cd) side=torch_compile,torchtitan ;; esac
   echo "$(ts) == bench: forged (scenario default) vs $side, GBS 32 + one micro-batch ($(left) s left)"
   timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.steps=3 bench.warmup=1 \
     bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
-  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs32_$side.json 2>/dev/null
+  cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs32_${side//,/_}.json 2>/dev/null
   ;;
 e)
   for n in 32 30 28; do
