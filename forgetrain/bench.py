@@ -153,19 +153,59 @@ def reduce_over_ranks(times: dict) -> dict:
     return out
 
 
-def unavailable_reason(name: str, exc: ImportError) -> str:
+def unavailable_reason(name: str, exc: Exception) -> str:
     """The one-line reason a bench side cannot run in this environment: the ImportError that building it raised
-    (e.g. a general framework whose release needs a newer torch), with the torch it met. Stored in bench.json under
-    "unavailable" and printed in place of its row."""
+    (e.g. a general framework whose release needs a newer torch), with the torch it met; or the side's own
+    :class:`~forgetrain.errors.CannotRunHere` reason (e.g. DeepSpeed's ZeRO-Offload needing more host memory than
+    the machine has), as ``<side>: cannot run here: <reason>``. Stored in bench.json under "unavailable" and
+    printed in place of its row."""
+    from forgetrain.errors import CannotRunHere
+
     first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, CannotRunHere):
+        return f"{name}: cannot run here: {first}"
     return f"{name} cannot run here (torch {torch.__version__}): {type(exc).__name__}: {first}"
+
+
+def make_side(name: str, cfg: RunConfig, device: torch.device):
+    """Build reference ``name`` as a bench side. A reference that declares ``supports_bench_side`` is built with
+    ``bench_side=True``: the timed form a user of that framework runs (references/deepspeed: SDPA attention, no
+    gradient snapshot or per-token losses, which only the equivalence harness reads). The bench is the one place
+    that says "this engine is being timed"; what that means is each reference's own (its module doc)."""
+    from forgetrain import registry
+
+    cls = registry.load_engine_class("references", name)
+    if getattr(cls, "supports_bench_side", False):
+        return cls(cfg, device, bench_side=True)
+    return cls(cfg, device)
+
+
+def oom_reason(exc: BaseException, stage: str) -> str:
+    """Why a bench side ran out of device memory, in one line: where (``stage``: building the engine, or which
+    step) and the numbers of torch's CUDA caching allocator message (the request, what PyTorch had allocated, the
+    device's capacity; torch's ``c10/cuda/CUDACachingAllocator.cpp`` words it "Tried to allocate X. GPU 0 has a
+    total capacity of Y of which Z is free ... Of the allocated memory A is allocated by PyTorch"). Falls back to
+    the message's first line when it is worded otherwise. Stored in bench.json under "oom_reason"."""
+    msg = str(exc)
+    found = {k: re.search(rx, msg) for k, rx in (("asked", r"Tried to allocate ([\d.]+ [KMGT]?i?B)"),
+                                                  ("capacity", r"total capacity of ([\d.]+ [KMGT]?i?B)"),
+                                                  ("free", r"of which ([\d.]+ [KMGT]?i?B) is free"),
+                                                  ("held", r"([\d.]+ [KMGT]?i?B) is allocated by PyTorch"))}
+    if found["asked"] and found["held"] and found["capacity"]:
+        why = (f"asked for {found['asked'].group(1)} more with {found['held'].group(1)} allocated by PyTorch "
+               f"of the device's {found['capacity'].group(1)}"
+               + (f" ({found['free'].group(1)} free)" if found["free"] else ""))
+    else:
+        why = (msg.strip().splitlines() or ["(no message)"])[0][:300]
+    return f"out of memory while {stage}: {why}"
 
 
 def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable: Optional[dict] = None) -> dict:
     """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init. A side
-    whose construction raises ImportError is left out and, when ``unavailable`` is given, its
-    :func:`unavailable_reason` is stored there (side -> line); without it the ImportError propagates."""
+    whose construction raises ImportError or CannotRunHere is left out and, when ``unavailable`` is given, its
+    :func:`unavailable_reason` is stored there (side -> line); without it the error propagates."""
     from forgetrain import registry
+    from forgetrain.errors import CannotRunHere
 
     device = _device(cfg)
     sides = {}
@@ -173,8 +213,8 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable
     for name in against:
         torch.manual_seed(cfg.train.seed)
         try:
-            eng = registry.load_engine_class("references", name)(cfg, device)
-        except ImportError as e:
+            eng = make_side(name, cfg, device)
+        except (ImportError, CannotRunHere) as e:
             if unavailable is None:
                 raise
             unavailable[name] = unavailable_reason(name, e)
@@ -327,11 +367,13 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
     import gc
 
     from forgetrain import registry
+    from forgetrain.errors import CannotRunHere
 
     device = _device(cfg)
     batches = _batches(cfg, warmup + steps)
     times: dict = {"_mem_gib": {}}
     init = None
+    where = {"stage": ""}  # what the side in hand is doing, for the out-of-memory reason (oom_reason)
 
     from forgetrain.metrics import mfu_pct, peak_flops
 
@@ -342,6 +384,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
         nonlocal init
         t0 = time.perf_counter()
         torch.manual_seed(cfg.train.seed)
+        where["stage"] = "building the engine"
         eng = make()
         t_build = time.perf_counter() - t0
         if init is None:
@@ -353,6 +396,8 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
         times.setdefault("_info", {})[name] = _engine_info(eng)
         out, t_first = [], 0.0
         for i in range(warmup + steps):
+            where["stage"] = (f"{'warm-up' if i < warmup else 'timed'} step {i + 1} of {warmup + steps} "
+                              f"(micro-batch {cfg.train.micro_batch_size} x grad-accum {grad_accum_steps(cfg)})")
             with _Timer(device) as tm:
                 eng.train_step(batches[i])
             if i >= warmup:
@@ -377,12 +422,14 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
     first = block("forged", lambda: forged_cls(cfg, device))
     for name in against:
         try:
-            times[name] = block(name, lambda: registry.load_engine_class("references", name)(cfg, device))
-        except torch.cuda.OutOfMemoryError:
+            times[name] = block(name, lambda: make_side(name, cfg, device))
+        except torch.cuda.OutOfMemoryError as e:
             times["_oom"] = times.get("_oom", []) + [name]
+            times.setdefault("_oom_reason", {})[name] = oom_reason(e, where["stage"])
+            del e  # its traceback holds the side's tensors
             gc.collect()
             torch.cuda.empty_cache()
-        except ImportError as e:  # the side's framework cannot run on this torch: one line, the others still run
+        except (ImportError, CannotRunHere) as e:  # the side cannot run here: one line, the others still run
             times.setdefault("_unavailable", {})[name] = unavailable_reason(name, e)
     last = block("forged", lambda: forged_cls(cfg, device))
     times["forged"] = first + last
@@ -396,8 +443,8 @@ def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, int
     in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
     (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun). With
     ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`).
-    A side that cannot be built here (ImportError) is not timed; ``"_unavailable"`` maps it to its one-line reason
-    (:func:`unavailable_reason`)."""
+    A side that cannot be built here (ImportError, or CannotRunHere: e.g. ZeRO-Offload's host memory) is not timed;
+    ``"_unavailable"`` maps it to its one-line reason (:func:`unavailable_reason`)."""
     fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * (
         torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda" else 8e9)
     if interleave == "always" or (interleave == "auto" and fits):
@@ -575,7 +622,8 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
           f"{cfg.train.global_batch_size * cfg.model.seq_length}")
     print_table(rows)
     for name in times.get("_oom", []):
-        print(f"{name}: out of memory at this shape (not timed)")
+        why = times.get("_oom_reason", {}).get(name)
+        print(f"{name}: out of memory at this shape (not timed)" + (f": {why}" if why else ""))
     for line in times.get("_unavailable", {}).values():
         print(f"{line} (not timed)")
     if "_forged_blocks" in times:
@@ -616,6 +664,9 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
     atomic_write_json(out / "bench.json", {"rows": rows, "rows_single_micro_batch": rows_single, "mode": mode,
                                            "oom": times.get("_oom", []),
                                            "oom_single_micro_batch": single[1].get("_oom", []) if single else [],
+                                           "oom_reason": times.get("_oom_reason", {}),
+                                           "oom_reason_single_micro_batch":
+                                               single[1].get("_oom_reason", {}) if single else {},
                                            "unavailable": times.get("_unavailable", {}),
                                            "profile": times.get("_profile"),
                                            "engine_info": times.get("_info"),

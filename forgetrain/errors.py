@@ -25,6 +25,12 @@ class CheckpointError(ForgeTrainError):
     """A checkpoint is missing, incomplete or incompatible."""
 
 
+class CannotRunHere(ForgeTrainError):
+    """A valid config that this machine cannot run (e.g. a reference's host-memory need exceeds the host's memory),
+    detected before anything is built. The message is the one-line reason; ``forgetrain.bench`` reports such a side
+    as ``<side>: cannot run here: <reason>`` and times the others."""
+
+
 class Interrupted(ForgeTrainError):
     """Ctrl-C during training: the trace is flushed, the last checkpoint is intact. Exit code 130."""
 

@@ -188,9 +188,8 @@ def test_bench_records_recompute_for_both_baselines(tmp_path):
     """``forgetrain.bench`` with engine.recompute=full on the scenario whose engine supports it, both baselines
     beside it: the run completes and bench.json's engine_info says each baseline recomputed."""
     _torchtitan()
-    args = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "engine.mode=exact",
-            "engine.compile=false", "engine.recompute=full", "engine.bf16_weights=resident", "kernels.adamw=torch",
-            "kernels.cross_entropy=torch", "train.precision=fp32", "train.micro_batch_size=2",
+    args = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "mode=exact",
+            "engine.recompute=full", "engine.bf16_weights=resident", "train.precision=fp32", "train.micro_batch_size=2",
             "train.global_batch_size=4", "train.lr_warmup_steps=1", "train.threads=1", "bench.steps=1",
             "bench.warmup=0", "bench.single_micro_batch=false", "bench.against=[torch_compile,torchtitan]",
             f"bench.out_dir={tmp_path}"]

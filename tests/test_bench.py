@@ -279,3 +279,52 @@ def test_build_sides_without_a_store_raises_the_import_error(monkeypatch):
     _sides_with_an_unrunnable_one(monkeypatch)
     with pytest.raises(ImportError, match="DataParallelMeshDims"):
         bench.build_sides(_micro_cfg(), ["broken"])
+
+
+# the message torch's CUDA caching allocator raised for the torch_compile side of llama8b_h200 (the shape of it)
+_OOM_MSG = ("CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "1.02 GiB is free. Including non-PyTorch memory, this process has 138.78 GiB memory in use. Of the "
+            "allocated memory 135.20 GiB is allocated by PyTorch, and 2.11 GiB is reserved by PyTorch but "
+            "unallocated.")
+
+
+@pytest.mark.parametrize("fail_at", ["build", "step"])
+def test_a_side_out_of_memory_says_where_and_why_and_the_others_are_timed(monkeypatch, fail_at):
+    """Sequential A-B-A: a side that runs out of device memory (while building, or in a step) is not timed; its
+    one-line reason says where and gives torch's numbers; the forged side is still timed in both blocks."""
+    import torch
+
+    from forgetrain import bench, registry
+
+    real = registry.load_engine_class
+
+    class _Huge:
+        def __init__(self, cfg, device):
+            if fail_at == "build":
+                raise torch.OutOfMemoryError(_OOM_MSG)
+            self.inner = real("references", "megatron")(cfg, device)
+
+        def __getattr__(self, k):
+            return getattr(self.inner, k)
+
+        def train_step(self, mbs):
+            raise torch.OutOfMemoryError(_OOM_MSG)
+
+    monkeypatch.setattr(registry, "load_engine_class",
+                        lambda kind, name: _Huge if name == "huge" else real(kind, name))
+    times = bench.sequential_times(_micro_cfg(), ["huge"], steps=1, warmup=1)
+    assert times["_oom"] == ["huge"] and "huge" not in times and len(times["forged"]) == 2
+    why = times["_oom_reason"]["huge"]
+    where = "building the engine" if fail_at == "build" else "warm-up step 1 of 2 (micro-batch 2 x grad-accum 1)"
+    assert why == (f"out of memory while {where}: asked for 3.91 GiB more with 135.20 GiB allocated by PyTorch "
+                   "of the device's 139.81 GiB (1.02 GiB free)"), why
+    assert "\n" not in why
+
+
+def test_an_out_of_memory_message_in_other_words_gives_its_first_line():
+    import torch
+
+    from forgetrain import bench
+
+    why = bench.oom_reason(torch.OutOfMemoryError("HIP out of memory\nmore"), "timed step 2 of 3")
+    assert why == "out of memory while timed step 2 of 3: HIP out of memory"

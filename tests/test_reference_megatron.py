@@ -273,3 +273,33 @@ def test_shim_is_scoped_idempotent_and_its_rng_tracker_forks():
     torch.manual_seed(7)
     want = torch.rand(6)
     assert torch.equal(torch.cat([a, b]), want)  # the named state advances across forks
+
+
+_DEVICE_CONTEXT_PROBE = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from references.megatron import shim
+{warm_guard}
+shim.install()  # in a fresh process: torch's factory cache has not been filled yet
+with torch.device("meta"):
+    got = {{n: getattr(torch, n)(*a).device.type for n, a in
+           (("empty", (2,)), ("zeros", (2,)), ("ones", (2,)), ("full", ((2,), 1.0)), ("tensor", ([1.0],)))}}
+print(got)
+sys.exit(0 if set(got.values()) == {{"meta"}} else 1)
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_shim_leaves_the_torch_device_context_manager_working(warm):
+    """After install(), ``with torch.device("meta")`` still places every wrapped factory on meta (an HF model built
+    on a device after a Megatron CPU step must land there). The rejection side: a shim that skips warming torch's
+    factory cache first (``warm=False`` stubs it out) is caught."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    guard = "" if warm else "shim._warm_device_constructors = lambda: None"
+    p = subprocess.run([sys.executable, "-c", _DEVICE_CONTEXT_PROBE.format(root=root, warm_guard=guard)],
+                       capture_output=True, text=True, timeout=300)
+    assert (p.returncode == 0) == warm, p.stdout + p.stderr[-2000:]

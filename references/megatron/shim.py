@@ -206,11 +206,26 @@ def install_rng_tracker() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def _warm_device_constructors() -> None:
+    """Fill torch's cached set of factory functions (``torch.utils._device._device_constructors``, read by the
+    ``with torch.device(...)`` context manager) with the builtin factories before they are wrapped. The set is built
+    on first use; built after :func:`install` it would hold the wrappers instead, so ``with torch.device("meta")``
+    would stop applying to ``torch.empty`` / ``zeros`` / ``ones`` / ``full`` / ``tensor`` everywhere in the process
+    (seen as an HF model built "on meta" landing on the CPU after a Megatron CPU step). A private torch helper:
+    when it is absent there is no such cache to protect."""
+    try:
+        from torch.utils._device import _device_constructors
+    except ImportError:
+        return
+    _device_constructors()
+
+
 def install() -> None:
     """Install every patch (idempotent). Call only for CPU runs of the reference."""
     global _INSTALLED
     with _LOCK:
         if not _INSTALLED:
+            _warm_device_constructors()
             for name in _FACTORIES:
                 orig = getattr(torch, name)
                 _ORIGINALS["torch." + name] = orig

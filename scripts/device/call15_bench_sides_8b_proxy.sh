@@ -8,16 +8,21 @@
 # If a side cannot run on the device's torch, its one-line error is the result to record (the issue asks for it).
 # Needs the sides' wheels:  SIDES=1 bash scripts/device/wheels.sh   then carry [".whl", ".whl_sides"].
 #   run: SIDE=torchtitan bash scripts/device/call15_bench_sides_8b_proxy.sh ; then SIDE=deepspeed ...
+#   SIDE=torch_compile MB=2 ...: both at micro-batch 2 x grad-accum 4 (needs no .whl_sides)
 set -u
 . scripts/device/setup.sh
 side=${SIDE:-torchtitan}
-# the forged side runs with the levers that passed their tiers on the GPU (as in call 11); LEVERS= for the default
-LEVERS=${LEVERS-"engine.grad_accum_fusion=true kernels.adamw=triton engine.onepass_optimizer=true kernels.allow_unsealed=true"}
-python3 -c "import $side; print('$side', $side.__version__ if hasattr($side, '__version__') else '')" 2>&1 | tail -1
+# the forged side runs the scenario default, which carries both levers since 2026-12-03 (gradient accumulation
+# fusion, the one-pass optimizer with the sealed Triton AdamW); LEVERS adds switches to it. MB sets the micro-batch
+# (default 1; MB=2 is grad-accum 4 at the same global batch 8, the same for every side)
+LEVERS=${LEVERS-}
+MB=${MB:-1}
+[ "$side" = torch_compile ] || \
+  python3 -c "import $side; print('$side', $side.__version__ if hasattr($side, '__version__') else '')" 2>&1 | tail -1
 echo "$(ts) == bench, llama8b_h100 proxy, GBS 8, forged vs $side ($(left) s left)"
-timeout $(left) python3 -m forgetrain.bench scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 \
+timeout $(left) python3 -m forgetrain.bench scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=$MB \
   train.global_batch_size=8 $LEVERS train.deterministic=false "bench.against=[$side]" bench.steps=6 bench.warmup=2 \
   bench.interleave=never parallel.timeout_s=60 bench.out_dir=/tmp/b15 2>&1 | filt 30
-cp /tmp/b15/bench.json $OUT/call15_bench_8b_proxy_gbs8_$side.json 2>/dev/null
+cp /tmp/b15/bench.json $OUT/call15_bench_8b_proxy_gbs8_mb${MB}_${side//,/_}.json 2>/dev/null
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
 echo "$(ts) done"

@@ -51,15 +51,15 @@ a)
   A=${A:-"a1 a2 a3"}
   if [[ $A == *a1* ]]; then
   echo "$(ts) == exact mode, per-layer bf16 weights + recompute: bitwise vs Megatron-core ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $S $SMALL $DEV engine.mode=exact engine.grad_accum_fusion=false \
-    engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL $DEV mode=exact \
+    train.deterministic=true tier=bitwise \
     verify.steps=6 verify.out_dir=/tmp/v16a 2>&1 | filt 6
   cp /tmp/v16a/verdict.json $OUT/call16_exact_bitwise_verdict.json 2>/dev/null
   fi
   if [[ $A == *a2* ]]; then
   echo "$(ts) == exact mode, block recompute (first layer only): bitwise vs Megatron-core ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $S $SMALL $DEV engine.mode=exact engine.grad_accum_fusion=false \
-    engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL $DEV mode=exact \
+    train.deterministic=true tier=bitwise \
     engine.recompute_num_layers=1 verify.steps=6 verify.out_dir=/tmp/v16b 2>&1 | filt 6
   cp /tmp/v16b/verdict.json $OUT/call16_exact_block_bitwise_verdict.json 2>/dev/null
   fi
@@ -112,8 +112,8 @@ f)
   done
   [ -n "${NOVERIFY:-}" ] && { echo "$(ts) done"; exit 0; }
   echo "$(ts) == exact mode, optimizer offload 1.0: bitwise vs Megatron-core ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $S $SMALL engine.mode=exact engine.grad_accum_fusion=false \
-    engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true tier=bitwise \
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL mode=exact \
+    train.deterministic=true tier=bitwise \
     engine.optimizer_offload_fraction=1.0 verify.steps=6 verify.out_dir=/tmp/v16f 2>&1 | filt 6
   cp /tmp/v16f/verdict.json $OUT/call16_exact_offload_bitwise_verdict.json 2>/dev/null
   ;;

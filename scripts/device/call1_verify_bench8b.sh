@@ -6,7 +6,7 @@ set -u
 SMALL="model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 model.num_query_groups=4 \
 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 train.micro_batch_size=2 \
 train.global_batch_size=4 train.lr_warmup_steps=2 hardware=h200"
-EXACT="engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true"
+EXACT="mode=exact train.deterministic=true"
 for prec in bf16 fp32; do
   echo "== verify bitwise, GPU, $prec, exact mode"
   timeout 240 python3 -m forgetrain.verify scenario=llama1b_h200 $SMALL $EXACT train.precision=$prec tier=bitwise \

@@ -9,7 +9,7 @@ ts() { date +%H:%M:%S; }
 SMALL="model.hidden_size=1024 model.num_layers=4 model.num_attention_heads=16 model.num_query_groups=4 \
 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 train.micro_batch_size=2 \
 train.global_batch_size=4 train.lr_warmup_steps=2 hardware=h200"
-EXACT="engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true"
+EXACT="mode=exact train.deterministic=true"
 echo "$(ts) == verify bitwise, GPU, bf16, exact mode"
 timeout 150 python3 -m forgetrain.verify scenario=llama1b_h200 $SMALL $EXACT train.precision=bf16 tier=bitwise \
   verify.steps=4 verify.out_dir=/tmp/v_bf16 2>&1 | grep -vE "Warning|warn" | tail -5

@@ -28,6 +28,6 @@ run_tier() {  # name tier extra-overrides...
   rm -rf /tmp/v_$name/candidate
 }
 run_tier fast_default surpass
-run_tier exact loss_curve engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch
+run_tier exact loss_curve mode=exact
 df -h /tmp | tail -1
 echo "$(ts) done"

@@ -15,7 +15,7 @@
 set -u
 . scripts/device/setup.sh
 export NCCL_NVLS_ENABLE=0
-EXACT="engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true"
+EXACT="mode=exact train.deterministic=true"
 torchrun --nproc-per-node 8 -m forgetrain.verify scenario=llama8b_h100 $EXACT parallel.data_parallel_size=8 \
   parallel.zero_stage=1 train.micro_batch_size=1 train.global_batch_size=8 tier=bitwise verify.steps=8 \
   verify.out_dir=/tmp/v8 2>&1 | tail -8

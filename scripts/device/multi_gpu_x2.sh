@@ -11,7 +11,7 @@ set -u
 . scripts/device/setup.sh
 ts() { date +%H:%M:%S; }
 P8="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1"
-EXACT="engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch train.deterministic=true"
+EXACT="mode=exact train.deterministic=true"
 TR="torchrun --nproc-per-node 2"
 for z in 0 1; do
   echo "$(ts) == bitwise DP=2 ZeRO-$z, exact bf16, 8B proxy"

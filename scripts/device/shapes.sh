@@ -23,12 +23,12 @@ T="scenario=llama1b_h200 model.hidden_size=1024 model.num_layers=4 model.num_att
 model.num_query_groups=4 model.ffn_hidden_size=2816 model.vocab_size=32000 model.seq_length=512 \
 train.micro_batch_size=2 train.global_batch_size=4 train.lr_warmup_steps=2 train.precision=bf16 \
 train.deterministic=true hardware=h200 tier=tolerance verify.steps=8 parallel.timeout_s=60"
-BASE="engine.mode=fast engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch"
+BASE="mode=fast_base"
 FIVE="verify.seeds=[1234,1235,1236,1237,1238]"
 R1B="scenario=llama1b_h200 model.num_layers=${LAYERS:-8} train.micro_batch_size=${MB:-2} train.global_batch_size=4 \
 hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
 P8="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=1 \
 train.deterministic=false hardware=h200 verify.curve_steps=300 parallel.timeout_s=60"
 G="scenario=llama1b_h200 model=llama_micro train.micro_batch_size=2 train.global_batch_size=4 \
-train.lr_warmup_steps=2 engine.mode=exact engine.compile=false kernels.cross_entropy=torch kernels.adamw=torch \
+train.lr_warmup_steps=2 mode=exact \
 train.deterministic=true tier=bitwise verify.steps=8 hardware=h200 parallel.timeout_s=60"

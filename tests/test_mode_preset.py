@@ -1,0 +1,67 @@
+"""The mode presets (conf/mode/): ``mode=exact`` is the one definition of what exact mode turns off, and
+``mode=fast_base`` of the fast base every lever is judged on alone.
+
+Every scenario composed with either preset is a valid config (no lever left on), every kernel switch sits at its
+plain default, and every engine option other than the memory layout (bitwise by construction) is back at the schema
+default. A new kernel switch or a new fast-only engine option that a preset does not reset fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from forgetrain import registry
+from forgetrain.cli import _check_job, _compose
+from forgetrain.config import EngineOptions, register_configs, to_run_config
+from forgetrain.errors import ConfigError
+from forgetrain.kernels import switches
+
+# engine options exact mode keeps as the scenario sets them: the memory layout (bitwise tier, optimisations.yaml)
+# and fast-mode-only knobs that exact mode never reads
+LAYOUT = {"recompute", "recompute_num_layers", "bf16_weights", "optimizer_offload_fraction", "attention_backend",
+          "ce_chunk_tokens"}
+TINY_CPU = ["hardware=cpu", "model=llama_micro", "train.precision=fp32", "train.skip_memory_check=true"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _schemas():
+    register_configs()
+
+
+def _rc(overrides):
+    return to_run_config(OmegaConf.to_container(_compose("config", overrides), resolve=True))
+
+
+@pytest.mark.parametrize("preset,mode", [("exact", "exact"), ("fast_base", "fast")])
+@pytest.mark.parametrize("name", registry.scenarios())
+def test_mode_preset_resets_every_lever(name, preset, mode):
+    rc = _rc([f"scenario={name}", f"mode={preset}"])
+    assert rc.engine.mode == mode
+    for f in dataclasses.fields(EngineOptions):
+        if f.name not in LAYOUT | {"mode"}:
+            assert getattr(rc.engine, f.name) == f.default, (name, f.name)
+    for sw in switches.SWITCHES:
+        assert getattr(rc.kernels, sw.name) == sw.default, (name, sw.name)
+
+
+@pytest.mark.parametrize("preset", ["exact", "fast_base"])
+@pytest.mark.parametrize("name", registry.scenarios())
+def test_mode_preset_validates_for_every_scenario(name, preset):
+    overrides = [f"scenario={name}", f"mode={preset}", *TINY_CPU]
+    if name == "llama3b_h200":  # its model shape lives in the scenario file: no model preset on the command line
+        overrides = [o for o in overrides if not o.startswith("model=")] + ["model.num_layers=2"]
+    assert _check_job("config", overrides) is None
+
+
+def test_without_the_preset_an_exact_run_of_a_fast_default_is_refused():
+    # the rejection side: engine.mode=exact alone leaves llama1b_h200's fast-only switches on
+    with pytest.raises(ConfigError, match="needs engine.mode=fast"):
+        _check_job("config", ["scenario=llama1b_h200", "engine.mode=exact", *TINY_CPU])
+
+
+def test_command_line_keys_override_the_preset():
+    rc = _rc(["scenario=llama1b_h200", "mode=exact", "kernels.adamw=triton"])
+    assert rc.engine.mode == "exact" and rc.kernels.adamw == "triton"
