@@ -428,14 +428,16 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
                               f"got '{getattr(cfg.kernels, sw.name)}'")
     if cfg.engine.mode not in ("exact", "fast"):
         raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
+    preset = "; for exact mode use mode=exact, which turns every fast-only switch off (conf/mode/exact.yaml)"
     if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
         raise ConfigError("engine.grad_accum_fusion=true needs engine.mode=fast (exact mode is the bitwise "
-                          "Megatron mirror: its grads stay bf16 .grad added into main_grad)")
+                          "Megatron mirror: its grads stay bf16 .grad added into main_grad)" + preset)
     if cfg.engine.onepass_optimizer and (cfg.engine.mode != "fast" or cfg.kernels.adamw != "triton"
                                          or cfg.parallel.zero_stage != 0):
         raise ConfigError("engine.onepass_optimizer=true needs engine.mode=fast, kernels.adamw=triton and "
                           f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={cfg.kernels.adamw}, "
-                          f"zero_stage={cfg.parallel.zero_stage}")
+                          f"zero_stage={cfg.parallel.zero_stage}" + (preset if cfg.engine.mode != "fast" else
+                                                                     "; or set engine.onepass_optimizer=false"))
     if cfg.engine.recompute not in ("none", "full"):
         raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
     rnl = cfg.engine.recompute_num_layers

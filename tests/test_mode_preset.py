@@ -58,7 +58,7 @@ def test_mode_preset_validates_for_every_scenario(name, preset):
 
 def test_without_the_preset_an_exact_run_of_a_fast_default_is_refused():
     # the rejection side: engine.mode=exact alone leaves llama1b_h200's fast-only switches on
-    with pytest.raises(ConfigError, match="needs engine.mode=fast"):
+    with pytest.raises(ConfigError, match="needs engine.mode=fast.*use mode=exact"):
         _check_job("config", ["scenario=llama1b_h200", "engine.mode=exact", *TINY_CPU])
 
 
