@@ -52,6 +52,10 @@ class BenchConfig:
     interleave: str = "auto"  # auto | always | never. never: A, B..., A blocks (one engine in memory at a time)
     single_micro_batch: bool = True  # also time one micro-batch per step (global batch = micro-batch x DP)
     profile: bool = False  # profile one extra step per side: category table + out_dir/profile_<side>.json
+    # Activation recompute of the sides in bench.against: none | full. null: engine.recompute, the forged engine's.
+    # A forged layout that fits without recompute (e.g. llama8b_h200's optimizer offload) can still be set beside a
+    # framework run the way its users fit the card (torch.compile with every block checkpointed).
+    side_recompute: Optional[str] = None
     out_dir: Optional[str] = None
 
 
@@ -167,11 +171,23 @@ def unavailable_reason(name: str, exc: Exception) -> str:
     return f"{name} cannot run here (torch {torch.__version__}): {type(exc).__name__}: {first}"
 
 
+def side_config(cfg: RunConfig, side_recompute: Optional[str]) -> RunConfig:
+    """The config a bench side is built with: ``cfg`` itself, or with ``side_recompute`` (``bench.side_recompute``:
+    none | full) as its ``engine.recompute``; under ``none`` the recompute depth (``engine.recompute_num_layers``)
+    is dropped too. The forged engine always runs ``cfg``."""
+    if side_recompute is None or side_recompute == cfg.engine.recompute:
+        return cfg
+    rnl = cfg.engine.recompute_num_layers if side_recompute == "full" else None
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute=side_recompute,
+                                                               recompute_num_layers=rnl))
+
+
 def make_side(name: str, cfg: RunConfig, device: torch.device):
     """Build reference ``name`` as a bench side. A reference that declares ``supports_bench_side`` is built with
     ``bench_side=True``: the timed form a user of that framework runs (references/deepspeed: SDPA attention, no
     gradient snapshot or per-token losses, which only the equivalence harness reads). The bench is the one place
-    that says "this engine is being timed"; what that means is each reference's own (its module doc)."""
+    that says "this engine is being timed"; what that means is each reference's own (its module doc). ``cfg`` is
+    the side's config (:func:`side_config`)."""
     from forgetrain import registry
 
     cls = registry.load_engine_class("references", name)
@@ -200,10 +216,12 @@ def oom_reason(exc: BaseException, stage: str) -> str:
     return f"out of memory while {stage}: {why}"
 
 
-def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable: Optional[dict] = None) -> dict:
+def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable: Optional[dict] = None,
+                side_recompute: Optional[str] = None) -> dict:
     """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init. A side
     whose construction raises ImportError or CannotRunHere is left out and, when ``unavailable`` is given, its
-    :func:`unavailable_reason` is stored there (side -> line); without it the error propagates."""
+    :func:`unavailable_reason` is stored there (side -> line); without it the error propagates. The sides are
+    built with :func:`side_config` (``side_recompute``), the forged engine with ``cfg``."""
     from forgetrain import registry
     from forgetrain.errors import CannotRunHere
 
@@ -213,7 +231,7 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable
     for name in against:
         torch.manual_seed(cfg.train.seed)
         try:
-            eng = make_side(name, cfg, device)
+            eng = make_side(name, side_config(cfg, side_recompute), device)
         except (ImportError, CannotRunHere) as e:
             if unavailable is None:
                 raise
@@ -359,7 +377,7 @@ def _bytes_per_engine(cfg: RunConfig) -> float:
 
 
 def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None,
-                     profile_dir: Optional[Path] = None) -> dict:
+                     profile_dir: Optional[Path] = None, side_recompute: Optional[str] = None) -> dict:
     """Blocks A, B, C, ..., A (A = forged), one engine in memory at a time, for models too big to hold every
     side at once. The forged engine is timed before and after the others; its two blocks' medians bracket any
     drift of the machine, and the reported spread includes both blocks. With ``profile_dir`` each side's first
@@ -422,7 +440,7 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
     first = block("forged", lambda: forged_cls(cfg, device))
     for name in against:
         try:
-            times[name] = block(name, lambda: make_side(name, cfg, device))
+            times[name] = block(name, lambda: make_side(name, side_config(cfg, side_recompute), device))
         except torch.cuda.OutOfMemoryError as e:
             times["_oom"] = times.get("_oom", []) + [name]
             times.setdefault("_oom_reason", {})[name] = oom_reason(e, where["stage"])
@@ -438,23 +456,26 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
 
 
 def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, interleave: str = "auto",
-                engine_cls=None, profile_dir: Optional[Path] = None) -> tuple[str, dict]:
+                engine_cls=None, profile_dir: Optional[Path] = None,
+                side_recompute: Optional[str] = None) -> tuple[str, dict]:
     """(mode, side -> step seconds) for the forged engine and ``against``: interleaved A/B when every side fits
     in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
     (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun). With
     ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`).
     A side that cannot be built here (ImportError, or CannotRunHere: e.g. ZeRO-Offload's host memory) is not timed;
-    ``"_unavailable"`` maps it to its one-line reason (:func:`unavailable_reason`)."""
+    ``"_unavailable"`` maps it to its one-line reason (:func:`unavailable_reason`). ``side_recompute``: the sides'
+    activation recompute (:func:`side_config`)."""
     fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * (
         torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda" else 8e9)
     if interleave == "always" or (interleave == "auto" and fits):
         unavailable: dict = {}
-        sides = build_sides(cfg, against, engine_cls, unavailable)
+        sides = build_sides(cfg, against, engine_cls, unavailable, side_recompute)
         mode, times = "interleaved", time_sides(cfg, sides, steps, warmup, profile_dir)
         if unavailable:
             times["_unavailable"] = unavailable  # type: ignore[assignment]
     else:
-        mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls, profile_dir)
+        mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls, profile_dir,
+                                                            side_recompute)
     return mode, reduce_over_ranks(times)
 
 
@@ -550,15 +571,19 @@ def _check_bench(b: BenchConfig) -> None:
         raise ConfigError(f"bench.warmup must be >= 0, got {b.warmup}")
     if b.interleave not in ("auto", "always", "never"):
         raise ConfigError(f"bench.interleave must be auto|always|never, got '{b.interleave}'")
+    if b.side_recompute not in (None, "none", "full"):
+        raise ConfigError(f"bench.side_recompute must be none|full|null (null: engine.recompute), "
+                          f"got '{b.side_recompute}'")
 
 
-def recompute_warnings(rc, against: list) -> list[str]:
+def recompute_warnings(rc, against: list, side_recompute: Optional[str] = None) -> list[str]:
     """One ``warning:`` line per side in ``against`` whose engine has no activation recompute
-    (``supports_recompute``) while ``engine.recompute`` asks for it: that side stores its activations; or that
-    recomputes every layer (no ``supports_recompute_num_layers``) while ``engine.recompute_num_layers`` asks for
-    fewer."""
+    (``supports_recompute``) while its config (:func:`side_config`: ``engine.recompute`` or ``side_recompute``)
+    asks for it: that side stores its activations; or that recomputes every layer (no
+    ``supports_recompute_num_layers``) while ``engine.recompute_num_layers`` asks for fewer."""
     from forgetrain import registry
 
+    rc = side_config(rc, side_recompute)
     if rc.engine.recompute == "none":
         return []
     out = []
@@ -587,7 +612,7 @@ def bench_task(cfg) -> None:
     from forgetrain.config import validate
 
     validate(rc, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    for line in recompute_warnings(rc, b.against):
+    for line in recompute_warnings(rc, b.against, b.side_recompute):
         print(line, file=sys.stderr)
     from forgetrain.distributed import collective_errors, init_distributed
 
@@ -640,12 +665,12 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
 
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
     mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
-                              profile_dir=out if b.profile else None)
+                              profile_dir=out if b.profile else None, side_recompute=b.side_recompute)
     single_cfg = single_micro_batch_config(rc)
     single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
     if b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size:
         runnable = [s for s in b.against if s not in times.get("_unavailable", {})]  # not built twice to fail
-        single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave)
+        single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave, side_recompute=b.side_recompute)
     if rank != 0:
         return
     warning = headline_warning(rc)

@@ -328,3 +328,75 @@ def test_an_out_of_memory_message_in_other_words_gives_its_first_line():
 
     why = bench.oom_reason(torch.OutOfMemoryError("HIP out of memory\nmore"), "timed step 2 of 3")
     assert why == "out of memory while timed step 2 of 3: HIP out of memory"
+
+
+@pytest.mark.parametrize("interleave", ["always", "never"])
+def test_side_recompute_reaches_the_sides_and_not_the_forged_engine(monkeypatch, interleave):
+    """``bench.side_recompute=full`` builds every side with ``engine.recompute=full`` (a framework fitted the way
+    its users fit the card) while the forged engine keeps its own ``engine.recompute=none``; null leaves the sides
+    on the forged engine's setting. In both timing modes."""
+    from forgetrain import bench, registry
+
+    real = registry.load_engine_class
+    seen = []
+
+    class _Spy:
+        def __init__(self, cfg, device):
+            seen.append(cfg.engine.recompute)
+            self.inner = real("references", "megatron")(cfg, device)
+
+        def __getattr__(self, k):
+            return getattr(self.inner, k)
+
+    monkeypatch.setattr(registry, "load_engine_class",
+                        lambda kind, name: _Spy if name == "spy" else real(kind, name))
+    forged_seen = []
+    forged_cls = registry.resolve_engine(_micro_cfg().scenario.engine)
+
+    def forged(cfg, device):
+        forged_seen.append(cfg.engine.recompute)
+        return forged_cls(cfg, device)
+
+    cfg = _micro_cfg()
+    assert cfg.engine.recompute == "none"
+    bench.timed_sides(cfg, ["spy"], steps=1, warmup=0, interleave=interleave, engine_cls=forged,
+                      side_recompute="full")
+    assert seen == ["full"] and set(forged_seen) == {"none"}
+    seen.clear()
+    bench.timed_sides(cfg, ["spy"], steps=1, warmup=0, interleave=interleave, engine_cls=forged)
+    assert seen == ["none"]
+
+
+def test_side_config_drops_the_recompute_depth_under_none():
+    import dataclasses
+
+    from forgetrain import bench
+
+    cfg = _micro_cfg()
+    assert bench.side_config(cfg, None) is cfg and bench.side_config(cfg, "none") is cfg
+    full = bench.side_config(cfg, "full")
+    assert full.engine.recompute == "full" and full.engine.recompute_num_layers is None and full.model == cfg.model
+    block = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, recompute="full", recompute_num_layers=1))
+    off = bench.side_config(block, "none")
+    assert off.engine.recompute == "none" and off.engine.recompute_num_layers is None
+
+
+def test_bench_rejects_a_bad_side_recompute(tmp_path):
+    """One ``error:`` line, a non-zero exit, nothing written."""
+    out = tmp_path / "b"
+    p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, "bench.side_recompute=selective",
+                        f"bench.out_dir={out}"], cwd=ROOT, text=True, capture_output=True, timeout=300, env=_env())
+    assert p.returncode != 0
+    assert "error: bench.side_recompute must be none|full|null" in p.stderr + p.stdout, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not out.exists()
+
+
+def test_recompute_warnings_read_the_sides_recompute():
+    """Under ``bench.side_recompute=full`` a side with no activation recompute (Megatron-core's local spec) is
+    warned about even when the forged engine runs without recompute."""
+    from forgetrain.bench import recompute_warnings
+
+    cfg = _micro_cfg()
+    assert recompute_warnings(cfg, ["megatron"]) == []
+    lines = recompute_warnings(cfg, ["megatron", "torch_compile"], side_recompute="full")
+    assert len(lines) == 1 and lines[0].startswith("warning: bench side 'megatron' has no activation recompute")

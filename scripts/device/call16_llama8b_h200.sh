@@ -24,6 +24,9 @@
 #   PART=d  the same beside torch.compile (fp32 weights under autocast, fused AdamW, every block checkpointed).
 #           A side that runs out of memory is reported as such by the bench (the answer "none fits" is a result).
 #   PART=cd both sides in one call (the forged side timed once; carry [".whl", ".whl_sides"]).
+#           The sides run with every block checkpointed (bench.side_recompute=full: how their users fit the card),
+#           the forged side with its own layout. Before 2026-12-03 (fourth session) PART=c/d/cd did not set it, so
+#           under the offload default (recompute none) the sides stored their activations.
 #   PART=e  the recompute knob of the device-only layout: the forged engine alone at global batch 8,
 #           engine.recompute_num_layers 32, 30, 28
 #           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
@@ -89,8 +92,8 @@ PY
 c|d|cd)
   case $PART in c) side=torchtitan ;; d) side=torch_compile ;; cd) side=torch_compile,torchtitan ;; esac
   echo "$(ts) == bench: forged (scenario default) vs $side, GBS 32 + one micro-batch ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.steps=3 bench.warmup=1 \
-    bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
+  timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.side_recompute=full bench.steps=3 \
+    bench.warmup=1 bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
   cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs32_${side//,/_}.json 2>/dev/null
   ;;
 e)
