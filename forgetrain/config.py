@@ -343,7 +343,9 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     decay_steps = t.lr_decay_steps or t.steps
     if t.lr_warmup_steps < 0 or t.lr_warmup_steps >= decay_steps:
         raise ConfigError(f"train.lr_warmup_steps={t.lr_warmup_steps} must lie in [0, {decay_steps}) "
-                          f"(train.lr_decay_steps, default train.steps; Megatron requires warmup < decay)")
+                          f"(train.lr_decay_steps, default train.steps; Megatron requires warmup < decay): set "
+                          f"train.lr_warmup_steps={max(0, decay_steps - 1) if t.lr_warmup_steps >= 0 else 0}"
+                          f"{' or fewer, or raise train.steps' if t.lr_warmup_steps >= 0 else ''}")
     if t.clip_grad < 0 or t.weight_decay < 0:
         raise ConfigError("train.clip_grad and train.weight_decay must be >= 0")
     if not (0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1) or not t.adam_eps > 0:

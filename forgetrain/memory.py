@@ -64,7 +64,8 @@ bf16 grads that in fact appear only as the backward frees activations.
 (``max_memory_allocated``): within about 10% on each row (+10.1% at most).
 
 **The check** (:func:`check`): a config whose estimate exceeds the device's total memory (on CPU: the host's
-physical memory) less :data:`RESERVE_BYTES` raises one-line ``ConfigError``; so does, on a GPU, an optimizer offload
+physical memory, with the offloaded AdamW moments counted back: :func:`host_estimate`) less :data:`RESERVE_BYTES`
+raises one-line ``ConfigError``; so does, on a GPU, an optimizer offload
 whose pinned host memory (:func:`host_offload_bytes`) exceeds the host's physical memory less
 :data:`HOST_RESERVE_BYTES`;
 ``train.skip_memory_check=true`` skips it. ``FORGETRAIN_FAKE_DEVICE_GIB=<GiB>`` (read only by :func:`check`)
@@ -75,7 +76,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from forgetrain.errors import ConfigError
 
@@ -265,6 +266,21 @@ def host_offload_bytes(cfg) -> int:
     return per_rank * cfg.parallel.data_parallel_size
 
 
+def host_estimate(cfg) -> MemoryEstimate:
+    """:func:`estimate` for a run whose "device" is the host (``hardware.device=cpu``): the AdamW moments that
+    ``engine.optimizer_offload_fraction`` sends to host memory are still in the same memory, so they are counted
+    back (8 bytes per offloaded element, :func:`offload_names`; no pinned rounding on CPU)."""
+    from forgetrain.metrics import param_tensor_sizes
+
+    est = estimate(cfg)
+    off = getattr(cfg.engine, "optimizer_offload_fraction", 0.0) or 0.0
+    if off <= 0:
+        return est
+    sizes = {str(i): n for i, n in enumerate(param_tensor_sizes(cfg.model))}
+    host = sum(8 * sizes[k] for k in offload_names(sizes, off))
+    return replace(est, adam_moments=est.adam_moments + host)
+
+
 def remedies(cfg, where: str = "device") -> list[str]:
     """The settings that would lower :func:`estimate` for ``cfg`` and are not in effect yet, in the order the
     refusal names them: a smaller micro-batch, gradient accumulation fusion (fast mode), recompute (then per-layer
@@ -313,7 +329,7 @@ def check(cfg) -> None:
     if capacity is None:
         return
     host = cfg.hardware.device == "cpu" and not os.environ.get(FAKE_DEVICE_ENV)
-    line = refusal(estimate(cfg), capacity, "host memory" if host else "device", cfg)
+    line = refusal(host_estimate(cfg) if host else estimate(cfg), capacity, "host memory" if host else "device", cfg)
     if line:
         raise ConfigError(line)
     pinned = 0 if host else host_offload_bytes(cfg)

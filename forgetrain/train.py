@@ -396,7 +396,9 @@ def _resume(run: _Run) -> None:
     cfg, env, engine, t = run.cfg, run.env, run.engine, run.cfg.train
     ckpt_root = run.ckpt_root
     if checkpoint.latest(ckpt_root) is None:
-        raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}")
+        raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}: nothing to continue; "
+                              f"start afresh without train.resume (with train.overwrite=true where the directory "
+                              f"already holds a trace), or choose another train.out_dir")
     state, harness, last, skipped = checkpoint.load_newest_good(
         ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict(), share_pinned=True))
     for why in skipped:

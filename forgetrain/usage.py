@@ -72,11 +72,28 @@ def _sections(config_name: str) -> list[tuple[str, type]]:
     return [(n, hints[n]) for n in names if dataclasses.is_dataclass(hints.get(n))]
 
 
-def _groups(conf_dir: str, cfg) -> list[str]:
-    """``group: option, ...`` for every config group under ``conf_dir`` that the command composes."""
+def _listed_groups(conf_dir: str, config_name: str) -> set[str]:
+    """The groups named in the defaults list of ``conf_dir/<config_name>.yaml`` (``- mode: null`` included: a
+    ``@package _global_`` group leaves no key of its own in the composed config)."""
+    from omegaconf import OmegaConf
+
+    path = Path(conf_dir) / f"{config_name}.yaml"
+    if not path.is_file():
+        return set()
+    names = set()
+    for entry in OmegaConf.to_container(OmegaConf.load(path)).get("defaults") or []:
+        if isinstance(entry, dict):
+            names.update(k.split()[-1].strip("/").split("@")[0] for k in entry)
+    return names
+
+
+def _groups(conf_dir: str, cfg, config_name: str | None = None) -> list[str]:
+    """``group: option, ...`` for every config group under ``conf_dir`` that the command composes: a key of the
+    composed ``cfg``, or a group in the defaults list of the primary config ``config_name``."""
     out = []
+    listed = _listed_groups(conf_dir, config_name) if config_name else set()
     for d in sorted(p for p in Path(conf_dir).iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if d.name not in cfg:
+        if d.name not in cfg and d.name not in listed:
             continue
         opts = sorted(p.stem for p in d.glob("*.yaml"))
         if opts:
@@ -108,7 +125,7 @@ def help_text(config_name: str, cfg, conf_dir: str) -> str:
                 parts.append(key)
                 if note:
                     parts.append(textwrap.fill(note, width, initial_indent=" " * 36, subsequent_indent=" " * 36))
-    parts += ["", "Config groups (group=option):", *[f"  {g}" for g in _groups(conf_dir, cfg)], "",
+    parts += ["", "Config groups (group=option):", *[f"  {g}" for g in _groups(conf_dir, cfg, config_name)], "",
               textwrap.fill("Any key of the composed config can be set the same way (print it with --cfg job); -m "
                             "runs a sweep (key=a,b). Hydra's own flags: --hydra-help.", width)]
     return "\n".join(parts)

@@ -93,7 +93,8 @@ CASES = [
     # inconsistent batch sizes and schedules
     ("batch_not_multiple", T, [*M, "train.global_batch_size=10"], "is not a multiple of", None),
     ("batch_below_micro", T, [*M, "train.global_batch_size=2"], "is not a multiple of", None),
-    ("warmup_past_decay", T, [*M, "train.lr_warmup_steps=600"], "train.lr_warmup_steps=600 must lie in", None),
+    ("warmup_past_decay", T, [*M, "train.lr_warmup_steps=600"],
+     "train.lr_warmup_steps=600 must lie in [0, 3) (train.lr_decay_steps, default train.steps; Megatron requires warmup < decay): set train.lr_warmup_steps=2 or fewer, or raise train.steps", None),
     ("min_lr_above_lr", T, [*M, "train.min_lr=1"], "need 0 <= train.min_lr <= train.lr", None),
     ("stop_after_past_steps", T, [*M, "train.stop_after=9999"], "train.stop_after must lie in", None),
     ("stop_after_without_save", T, [*M, "train.stop_after=2", "train.save=false"], "needs train.save=true", None),
@@ -117,7 +118,8 @@ CASES = [
     ("vocab_above_model", T, [*SHORT, "model.vocab_size=100"], "exceeds model.vocab_size=100", None),
     ("error_in_a_dir_made_before", T, [*SHORT, "model.vocab_size=100"], "exceeds model.vocab_size", "empty_out"),
     # corrupt or incompatible checkpoints (the output directory holds a finished run, which must not change)
-    ("resume_without_checkpoint", T, [*SHORT, "train.resume=true"], "no complete checkpoint", None),
+    ("resume_without_checkpoint", T, [*SHORT, "train.resume=true"],
+     "no complete checkpoint under", None),
     ("resume_garbage_metadata", T, [*SHORT, "train.steps=8", "train.resume=true"], "cannot load checkpoint",
      "run_metadata"),
     ("resume_empty_harness", T, [*SHORT, "train.steps=8", "train.resume=true"], "cannot load checkpoint",
@@ -151,6 +153,9 @@ CASES = [
      "block:deepspeed"),
     ("verify_torchtitan_not_installed", V, [*M, "verify.reference=torchtitan"], "pip install -e '.[torchtitan]'",
      "block:torchtitan"),
+    # a forged kernel (the Hopper scenarios' fast default runs the Triton AdamW) without Triton installed
+    ("train_triton_not_installed", T, [*M, "scenario=llama1b_h200", "hardware=cpu", "train.lr_warmup_steps=1"],
+     "kernels.adamw=triton needs the optional 'kernels' extra", "block:triton"),
     ("bench_zero_steps", B, [*M, "bench.steps=0"], "bench.steps must be >= 1", None),
     ("bench_unknown_reference", B, [*M, "bench.against=[nope]"], "unknown reference 'nope'", None),
     ("bench_interleave", B, [*M, "bench.interleave=bogus"], "bench.interleave must be", None),
@@ -164,7 +169,8 @@ FAST_SUBSET = {"type_int", "nan_clip", "nan_peak", "neg_init_std", "huge_seed", 
                "batch_not_multiple", "neg_decay_steps", "layout_dp2_one_process", "out_dir_under_a_file",
                "missing_source", "ids_beyond_vocab", "resume_garbage_metadata", "fresh_run_on_a_used_dir",
                "sweep_bad_value", "syntax_no_equals", "verify_deepspeed_not_installed", "verify_torchtitan_not_installed",
-               "verify_missing_golden", "verify_negative_steps", "bench_unknown_reference"}
+               "verify_missing_golden", "verify_negative_steps", "bench_unknown_reference",
+               "train_triton_not_installed"}
 
 
 def _snapshot(path: Path) -> dict | None:

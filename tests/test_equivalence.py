@@ -110,6 +110,20 @@ def test_bitwise_one_ulp_loss_fails_at_that_step(pair):
     assert "step 4 loss" in v.summary
 
 
+def test_bitwise_candidate_without_any_reference_probe_is_named(pair):
+    """A candidate whose modules.json shares no module with the reference's (a fused fast-mode engine judged at
+    bitwise) fails, and the summary says why in words instead of only 'cand None'."""
+    ref, make = pair
+
+    def m(run):
+        run["modules"] = {"fused_block": {"fwd": _bad(1), "fwd_l2": 1.0, "grad": _bad(2), "grad_l2": 1.0}}
+
+    v = bitwise(ref, make(m))
+    assert not v.passed
+    assert f"the candidate recorded none of the reference's {len(MODULES)} module probes" in v.summary
+    assert "mode=exact" in v.summary
+
+
 @pytest.mark.parametrize("key", ["grad_norm", "lr"])
 def test_bitwise_scalar_fields(pair, key):
     ref, make = pair

@@ -333,3 +333,22 @@ def test_offload_that_cannot_be_pinned_is_refused_in_one_line(monkeypatch):
     memory.check(skipped)
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: None)  # the platform does not say: nothing to check
     memory.check(cfg)
+
+
+def test_cpu_check_counts_the_offloaded_moments_back(monkeypatch):
+    """On CPU the optimizer offload moves the AdamW moments from "device" to host memory, which is the same memory:
+    the host check counts them back (8 bytes per offloaded element). A config that fits only if they were
+    forgotten is refused."""
+    monkeypatch.delenv(memory.FAKE_DEVICE_ENV, raising=False)
+    plain, off = _tiny(), _tiny(optimizer_offload_fraction=1.0)
+    assert memory.host_estimate(plain) == estimate(plain)
+    assert memory.host_estimate(off).adam_moments == estimate(off).adam_moments + 8 * N
+    assert memory.host_estimate(off).adam_moments >= estimate(plain).adam_moments
+    cfg = _compose([*LLAMA3_8B, "hardware=cpu", "engine.optimizer_offload_fraction=1.0"])
+    host_total = memory.host_estimate(cfg).total_bytes
+    assert host_total > estimate(cfg).total_bytes + 59 * GIB  # Llama-3-8B: 59.8 GiB of moments
+    # a host between the two totals: the check without them would pass it
+    monkeypatch.setattr(memory, "host_memory_bytes",
+                        lambda: (estimate(cfg).total_bytes + host_total) // 2 + memory.RESERVE_BYTES)
+    with pytest.raises(ConfigError, match="host memory"):
+        memory.check(cfg)

@@ -100,6 +100,7 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path):
     p = run([*FAST, "train.resume=true", f"train.out_dir={tmp_path / 'none'}"])
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("error: train.resume=true but no complete checkpoint")
+    assert "train.overwrite=true" in p.stderr.strip().splitlines()[-1]  # the way out, not back to train.resume
 
 
 def test_sweep_runs_every_value(tmp_path):
@@ -226,6 +227,7 @@ def test_help_says_what_the_command_does(module, own, tmp_path):
     for key in own:
         assert key in p.stdout, (key, p.stdout)
     assert "model: llama1b, llama8b, llama_micro, llama_tiny" in p.stdout and "--hydra-help" in p.stdout
+    assert "  mode: exact, fast_base" in p.stdout  # a @package _global_ group, listed from the defaults list
     options = [x for x in p.stdout.splitlines() if x.startswith("  ") and "=" in x.split()[0]]
     assert len(options) >= 4 and sum(len(x.split(None, 1)) == 2 for x in options) >= 3, options  # with meanings
     assert not list(tmp_path.iterdir())

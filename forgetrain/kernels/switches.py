@@ -150,7 +150,8 @@ def check(kernels_cfg, engine_cls, engine_name: str, mode: str, device: str,
     """Refuse a switch the engine does not honour, or a forged kernel without a current seal for ``device``.
 
     ``kernels_cfg``: a KernelsConfig; ``engine_cls``: the engine class that will run; ``mode``: ``engine.mode``;
-    ``device``: ``cpu`` or ``cuda``. Raises ConfigError (one line naming the switch and the engine)."""
+    ``device``: ``cpu`` or ``cuda``. Raises ConfigError (one line naming the switch and the engine); a forged value
+    without Triton installed names the ``kernels`` extra (:func:`forgetrain.extras.require`)."""
     honours = honoured(engine_cls, mode, device)
     for name, val in set_values(kernels_cfg).items():
         sw = BY_NAME[name]
@@ -160,6 +161,10 @@ def check(kernels_cfg, engine_cls, engine_name: str, mode: str, device: str,
             ok = ", ".join(f"{k}={'|'.join(v)}" for k, v in sorted(honours.items())) or "none"
             raise ConfigError(f"kernels.{name}={val} is not honoured by engine {engine_name} in engine.mode={mode} "
                               f"on {device} (it honours: {ok}); set kernels.{name}={sw.default}")
+        if sw.value(val).forged:  # a forged kernel is a Triton kernel (on CPU under its interpreter)
+            from forgetrain.extras import require
+
+            require("kernels", ("triton",), f"kernels.{name}={val}")
     if getattr(kernels_cfg, OVERRIDE, False):
         return
     for name, val in set_values(kernels_cfg).items():

@@ -130,6 +130,10 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
                     add(1, kind, {"digest": re_.get(key), "l2": re_.get(f"{key}_l2")} if name in rm else None,
                         {"digest": ce.get(key), "l2": ce.get(f"{key}_l2")} if name in cm else None,
                         order=j, module=name)
+        if rm and not set(rm) & set(cm):
+            problems.append(f"the candidate recorded none of the reference's {len(rm)} module probes (an engine that "
+                            f"fuses across modules records none, e.g. engine.mode=fast; the bitwise tier is for "
+                            f"mode=exact)")
         modules_ev = {"compared": True, "n_modules": len(names), "fwd_mismatches": fwd_bad,
                       "grad_mismatches": grad_bad,
                       "first_fwd_mismatch": fwd_bad[0] if fwd_bad else None,
