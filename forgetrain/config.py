@@ -471,6 +471,11 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
     engine_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
+    modes = getattr(engine_cls, "engine_modes", None)  # an engine that declares its modes; None: not checked
+    if not reference and modes is not None and cfg.engine.mode not in modes:
+        raise ConfigError(f"engine.mode={cfg.engine.mode} is not implemented by engine "
+                          f"{engine_cls.__module__}:{engine_cls.__qualname__} (it "
+                          f"runs: {'|'.join(modes)}); drop mode=fast_base / engine.mode={cfg.engine.mode}")
     if not reference and cfg.engine.recompute != "none" and not getattr(engine_cls, "supports_recompute", False):
         raise ConfigError(f"engine.recompute={cfg.engine.recompute} is not implemented by engine "
                           f"{cfg.scenario.engine}; set engine.recompute=none")
@@ -481,10 +486,12 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if not reference and off > 0 and not getattr(engine_cls, "supports_optimizer_offload", False):
         raise ConfigError(f"engine.optimizer_offload_fraction is not implemented by engine {cfg.scenario.engine}; "
                           f"set it to 0")
+    from forgetrain import memory
+
+    # before the kernel switches: a model that cannot fit this machine is the first thing to learn (one error, not
+    # a switch fix and then the refusal); still before any engine is built
+    memory.check(cfg)
     if not reference:
         switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}",
                        cfg.engine.mode, cfg.hardware.device)
-    from forgetrain import memory
-
-    memory.check(cfg)  # last: a config that cannot fit the GPU is refused before any engine is built
     return cfg

@@ -304,6 +304,28 @@ def remedies(cfg, where: str = "device") -> list[str]:
     return out
 
 
+def leanest(cfg, where: str = "device"):
+    """``cfg`` with every layout remedy of :func:`remedies` in effect (micro-batch 1, gradient accumulation fusion
+    in fast mode, full recompute of every layer, per-layer bf16 weights under bf16, the whole optimizer offloaded
+    where the capacity is a GPU's): the smallest footprint without changing the model or the sequence."""
+    e, t = cfg.engine, cfg.train
+    eng = replace(e, recompute="full", recompute_num_layers=None,
+                  grad_accum_fusion=e.grad_accum_fusion or e.mode == "fast",
+                  bf16_weights="per_layer" if t.precision == "bf16" else e.bf16_weights,
+                  optimizer_offload_fraction=1.0 if where == "device" else e.optimizer_offload_fraction)
+    return replace(cfg, engine=eng, train=replace(t, micro_batch_size=1))
+
+
+def _lean_words(cfg, lean) -> str:
+    """The overrides that turn ``cfg`` into ``lean`` (:func:`leanest`), as ``key=value`` words."""
+    words = ["train.micro_batch_size=1"] if cfg.train.micro_batch_size != 1 else []
+    for f in fields(lean.engine):
+        a, b = getattr(cfg.engine, f.name), getattr(lean.engine, f.name)
+        if a != b:
+            words.append(f"engine.{f.name}={'null' if b is None else str(b).lower() if isinstance(b, bool) else b}")
+    return " ".join(words) or "as configured"
+
+
 def refusal(est: MemoryEstimate, capacity: int, where: str, cfg) -> str | None:
     """The one-line refusal when ``est`` (the estimate of ``cfg``) exceeds ``capacity`` (bytes) of ``where`` (the
     device, or the host's memory on CPU) less :data:`RESERVE_BYTES`, else None. It names the :func:`remedies`
@@ -314,6 +336,11 @@ def refusal(est: MemoryEstimate, capacity: int, where: str, cfg) -> str | None:
     parts = ", ".join(f"{LABELS[k]} {v / GIB:.1f} GiB ({v / 1e9:.1f} GB)" for k, v in est.biggest(3))
     per = "per GPU" if where == "device" else "on this machine"
     todo = remedies(cfg, where)
+    lean = leanest(cfg, where)
+    lean_bytes = (estimate if where == "device" else host_estimate)(lean).total_bytes
+    if len(todo) > 1 and lean_bytes > usable:  # no layout switch is enough: say so instead of listing them
+        todo = [f"even the leanest layout ({_lean_words(cfg, lean)}) needs an estimated {lean_bytes / GIB:.1f} "
+                f"GiB, so shorten model.seq_length or use fewer model.num_layers"]
     return (f"this config needs an estimated {est.total_gib:.1f} GiB {per} (biggest parts: {parts}) but the "
             f"{where} has {capacity / GIB:.1f} GiB less a {RESERVE_BYTES / GIB:.0f} GiB reserve; "
             f"{'; '.join(todo)} (forgetrain/memory.py has the estimate; train.skip_memory_check=true runs anyway)")

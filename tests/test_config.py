@@ -89,8 +89,14 @@ def test_unknown_key_rejected_by_schema():
 
 def test_grad_accum_fusion_is_a_fast_mode_switch():
     assert "engine.grad_accum_fusion=true needs engine.mode=fast" in _bad(engine__grad_accum_fusion=True)
-    rc = to_run_config(_compose(overrides=["engine.mode=fast", "engine.grad_accum_fusion=true"]))
+    rc = to_run_config(_compose(overrides=["scenario=llama1b_h200", "mode=fast_base", "engine.grad_accum_fusion=true",
+                                           "hardware=cpu", "model=llama_micro", "train.lr_warmup_steps=1"]))
     assert validate(rc).engine.grad_accum_fusion is True
+
+
+def test_an_engine_refuses_a_mode_it_does_not_run():
+    """llama_tiny_cpu has one (exact) path: engine.mode=fast is refused in one line, not silently ignored."""
+    assert "engine.mode=fast is not implemented by engine scenarios.llama_tiny_cpu" in _bad(engine__mode="fast")
 
 
 def test_readme_documents_every_forgetrain_environment_variable():

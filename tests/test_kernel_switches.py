@@ -82,13 +82,16 @@ def test_honoured_switches_pass():
     switches.check(KernelsConfig(adamw="fused", cross_entropy="chunked"), Hopper, "llama1b_h200", "fast", "cuda")
     switches.check(KernelsConfig(adamw="triton"), Hopper, "llama1b_h200", "exact", "cpu")  # sealed on CPU
     validate(_with({"swiglu": "triton"}), engine_cls=Hopper)
-    validate(_with({}), engine_cls=TinyCPU)  # defaults everywhere: nothing to honour
+    validate(_with({}, mode="exact"), engine_cls=TinyCPU)  # defaults everywhere: nothing to honour
 
 
 def test_validate_uses_the_engine_that_runs():
     """Passed engine_cls wins over the scenario's engine (llama_tiny_cpu, which honours nothing)."""
     with pytest.raises(ConfigError, match="not honoured by engine scenarios.llama_tiny_cpu.engine:Engine"):
-        validate(_with({"swiglu": "triton"}))
+        validate(_with({"adamw": "triton"}, mode="exact"))
+    validate(_with({"adamw": "triton"}, mode="exact"), engine_cls=Hopper)
+    with pytest.raises(ConfigError, match="engine.mode=fast is not implemented by engine scenarios.llama_tiny_cpu"):
+        validate(_with({"swiglu": "triton"}))  # the tiny engine runs exact mode only
     validate(_with({"swiglu": "triton"}), engine_cls=Hopper)
 
 

@@ -352,3 +352,18 @@ def test_cpu_check_counts_the_offloaded_moments_back(monkeypatch):
                         lambda: (estimate(cfg).total_bytes + host_total) // 2 + memory.RESERVE_BYTES)
     with pytest.raises(ConfigError, match="host memory"):
         memory.check(cfg)
+
+
+def test_a_model_no_layout_fits_is_refused_first_and_once(monkeypatch):
+    """Full-size llama8b_h200 on a 24 GiB CPU host: one refusal that says no layout switch is enough (before, the
+    kernel-switch error came first, then a refusal listing switches that could not make it fit)."""
+    monkeypatch.delenv(memory.FAKE_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 24 * GIB)
+    cfg = _compose(["scenario=llama8b_h200", "hardware=cpu"])  # kernels.adamw=fused is not honoured on CPU
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    msg = str(exc.value)
+    assert "even the leanest layout (engine.recompute=full engine.bf16_weights=per_layer) needs an estimated" in msg
+    assert "shorten model.seq_length or use fewer model.num_layers" in msg and "set engine.recompute" not in msg
+    lean = memory.leanest(cfg, "host memory")
+    assert memory.host_estimate(lean).total_bytes < memory.host_estimate(cfg).total_bytes

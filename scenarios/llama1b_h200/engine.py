@@ -70,6 +70,7 @@ class Engine:
         "exact": {"adamw": ("triton",)},
         "exact/cuda": {"adamw": ("fused",)},
     }
+    engine_modes = ("exact", "fast")  # engine.mode values it runs (config.validate refuses others)
     supports_recompute = True  # engine.recompute=full and engine.bf16_weights=per_layer (scenarios/_llama/recompute)
     supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N layers only
     supports_optimizer_offload = True  # engine.optimizer_offload_fraction (scenarios/_llama/optim.HostMoments)

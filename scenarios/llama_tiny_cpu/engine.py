@@ -63,6 +63,8 @@ def _is_dtensor(t) -> bool:
 class Engine:
     """Forged engine. ``Engine(cfg: RunConfig, device)``; see forgetrain.engine.TrainEngine for the protocol."""
 
+    engine_modes = ("exact",)  # engine.mode values it runs (config.validate refuses others): one fp32 path
+
     def __init__(self, cfg, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.device = torch.device(device)
