@@ -400,3 +400,15 @@ def test_recompute_warnings_read_the_sides_recompute():
     assert recompute_warnings(cfg, ["megatron"]) == []
     lines = recompute_warnings(cfg, ["megatron", "torch_compile"], side_recompute="full")
     assert len(lines) == 1 and lines[0].startswith("warning: bench side 'megatron' has no activation recompute")
+
+
+def test_sequential_blocks_release_pinned_host_memory(monkeypatch):
+    """Between sequential blocks on a GPU the caching host allocator's pinned memory is given back
+    (``release_host_cache``); the release function is found on this torch."""
+    import torch
+
+    from forgetrain import bench
+
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(1), raising=False)
+    assert bench.release_host_cache() and calls == [1]
