@@ -205,12 +205,15 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
 
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "forgetrain", *SHORT, "train.steps=400", "train.save_interval=2",
+    # 2000 steps: long enough that the run is still going when the first checkpoint appears, even on a loaded
+    # 2-core machine (a 400-step run once finished first under load, and the signal then reached no process)
+    proc = subprocess.Popen([sys.executable, "-m", "forgetrain", *SHORT, "train.steps=2000", "train.save_interval=2",
                              f"train.out_dir={out}"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 240
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before its first checkpoint was seen: nothing to interrupt"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
