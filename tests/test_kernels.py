@@ -156,6 +156,42 @@ def test_rejects_off_by_one_mask():
     assert any(" y: nonfinite" in f for f in rep.failures), rep.failures
 
 
+def test_rejects_a_packed_backward_that_swaps_the_halves():
+    """``swiglu_packed``'s backward writes dgate and dup into the two halves of dx; one that swaps them (the
+    unpacked entry point still right) is rejected through dx_packed, and only there."""
+    fn = swiglu_m.make_swiglu()
+
+    def broken_packed(x):
+        if x.requires_grad:  # the kernel's dx with its halves swapped
+            x.register_hook(lambda g: torch.cat(g.chunk(2, dim=-1)[::-1], dim=-1))
+        return fn.packed(x)
+
+    def broken(gate, up):
+        return fn(gate, up)
+
+    broken.packed = broken_packed
+    spec = dataclasses.replace(swiglu_m.SPEC, candidate=swiglu_m.candidate_from(broken))
+    rep = validate(spec, "cpu", shapes="small")
+    assert not rep.passed
+    assert any(" dx_packed: " in f for f in rep.failures), rep.failures
+    assert not any(" dgate: " in f or " dup: " in f for f in rep.failures), rep.failures
+
+
+def test_swiglu_packed_matches_chunk_then_swiglu():
+    """The packed entry point gives the bits of ``swiglu(*x.chunk(2, -1))`` both ways (same kernels, same
+    arithmetic); its dx is one contiguous tensor."""
+    x = (torch.randn(3, 5, 2 * 96) * 2).bfloat16()
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = swiglu_m.swiglu_packed(a), swiglu_m.swiglu(*b.chunk(2, dim=-1))
+    assert ya.shape == (3, 5, 96) and torch.equal(ya, yb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(a.grad, b.grad) and a.grad.is_contiguous()
+    with pytest.raises(ValueError, match="even last dim"):
+        swiglu_m.swiglu_packed(torch.randn(2, 7))
+
+
 def test_rejects_wrong_rmsnorm_epsilon():
     # F.rms_norm(eps=None) silently uses finfo(dtype).eps (2^-7 for bf16) instead of the model's 1e-5.
     wrong = torch.finfo(torch.bfloat16).eps

@@ -4,7 +4,8 @@ Functional APIs (stable; forged engines switch them per op, e.g. ``kernels.rmsno
 
 * ``rmsnorm_residual(x [..., H], residual [..., H] | None, weight [H], eps) -> (y [..., H], s [..., H])``
   -- ``s = x + residual``, ``y = rms_norm(s) * weight``; bf16/fp16/fp32 (:mod:`.rmsnorm`).
-* ``swiglu(gate [..., F], up [..., F]) -> [..., F]`` -- ``silu(gate) * up`` (:mod:`.swiglu`).
+* ``swiglu(gate [..., F], up [..., F]) -> [..., F]`` -- ``silu(gate) * up``; ``swiglu_packed(x [..., 2F]) -> [..., F]``
+  the same on the fused ``[gate | up]``, its backward writing ``dx`` whole (:mod:`.swiglu`).
 * ``apply_rope(t [B, S, H, D], cos [S, D] fp32, sin [S, D] fp32) -> [B, S, H, D]`` -- rotate-half RoPE;
   ``rope_tables(seq_len, head_dim, base)`` builds the tables (:mod:`.rope`).
 * ``fused_linear_cross_entropy(hidden [N, h], weight [V, h], labels [N] int64, chunk_size=2048,

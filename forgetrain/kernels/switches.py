@@ -69,7 +69,7 @@ _TRITON = Value("triton", "tolerance", "the forged Triton kernel (validated agai
 
 SWITCHES: tuple[Switch, ...] = (
     Switch("rmsnorm", "torch", (_TORCH, _TRITON), "rmsnorm", ("rmsnorm_residual",)),
-    Switch("swiglu", "torch", (_TORCH, _TRITON), "swiglu", ("swiglu",)),
+    Switch("swiglu", "torch", (_TORCH, _TRITON), "swiglu", ("swiglu", "swiglu_packed")),
     Switch("rope", "torch", (_TORCH, _TRITON), "rope", ("apply_rope", "rope_tables")),
     Switch("cross_entropy", "torch", (
         Value("torch", "bitwise", "full logits, then cross-entropy"),

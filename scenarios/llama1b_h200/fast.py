@@ -113,12 +113,13 @@ class FastBlock(nn.Module):
         else:
             x = x + attn
             h = self._norm(x, self.pre_mlp_norm.weight)
-        gate, up = self._linear(h, "mlp.fc1", self.mlp.fc1, acc).chunk(2, dim=-1)
-        if k_.swiglu == "triton":
-            from forgetrain.kernels import swiglu
+        fc1 = self._linear(h, "mlp.fc1", self.mlp.fc1, acc)
+        if k_.swiglu == "triton":  # on [gate | up] itself: its backward writes d(fc1) whole, no concatenation
+            from forgetrain.kernels import swiglu_packed
 
-            act = swiglu(gate, up)
+            act = swiglu_packed(fc1)
         else:
+            gate, up = fc1.chunk(2, dim=-1)
             act = F.silu(gate) * up
         return x + self._linear(act, "mlp.fc2", self.mlp.fc2, acc)
 
