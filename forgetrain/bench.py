@@ -384,7 +384,7 @@ def release_host_cache() -> bool:
     function was called."""
     fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
         getattr(torch._C, "_host_emptyCache", None)
-    if fn is None:
+    if fn is None or not torch.cuda.is_available():  # no device: no pinned host cache (and torch would raise)
         return False
     fn()
     return True
@@ -481,8 +481,13 @@ def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, int
     A side that cannot be built here (ImportError, or CannotRunHere: e.g. ZeRO-Offload's host memory) is not timed;
     ``"_unavailable"`` maps it to its one-line reason (:func:`unavailable_reason`). ``side_recompute``: the sides'
     activation recompute (:func:`side_config`)."""
-    fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * (
-        torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda" else 8e9)
+    from forgetrain.memory import host_memory_bytes
+
+    # the device's memory, or on CPU the host's (a tiny model's sides always fit there: each estimate carries a
+    # fixed 1 GiB workspace, which a fixed 8 GB limit counted as "too big" for three sides)
+    capacity = (torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda"
+                else host_memory_bytes() or 8e9)
+    fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * capacity
     if interleave == "always" or (interleave == "auto" and fits):
         unavailable: dict = {}
         sides = build_sides(cfg, against, engine_cls, unavailable, side_recompute)
@@ -580,6 +585,9 @@ def _check_bench(b: BenchConfig) -> None:
 
     for name in b.against:
         registry.load_engine_class("references", name)
+    dup = sorted({n for n in b.against if list(b.against).count(n) > 1})
+    if dup:
+        raise ConfigError(f"bench.against names {', '.join(dup)} more than once; list each side once")
 
     if b.steps < 1:
         raise ConfigError(f"bench.steps must be >= 1 (timed steps per side), got {b.steps}")
@@ -604,12 +612,14 @@ def recompute_warnings(rc, against: list, side_recompute: Optional[str] = None) 
         return []
     out = []
     rnl = rc.engine.recompute_num_layers
+    asked = (f"bench.side_recompute={side_recompute} applies to the sides that implement it"
+             if side_recompute is not None else
+             f"engine.recompute={rc.engine.recompute} applies to the forged engine and the sides that implement it")
     for n in against:
         cls = registry.load_engine_class("references", n)
         if not getattr(cls, "supports_recompute", False):
             out.append(f"warning: bench side '{n}' has no activation recompute; it runs with its activations stored "
-                       f"(engine.recompute={rc.engine.recompute} applies to the forged engine and the sides that "
-                       f"implement it)")
+                       f"({asked})")
         elif rnl is not None and not getattr(cls, "supports_recompute_num_layers", False):
             out.append(f"warning: bench side '{n}' recomputes every layer; engine.recompute_num_layers={rnl} "
                        f"applies to the forged engine and the sides that implement it")

@@ -430,16 +430,24 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
                               f"got '{getattr(cfg.kernels, sw.name)}'")
     if cfg.engine.mode not in ("exact", "fast"):
         raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
-    preset = "; for exact mode use mode=exact, which turns every fast-only switch off (conf/mode/exact.yaml)"
+    def preset(key: str) -> str:
+        return (f"; drop {key}=true (for exact mode use mode=exact, which turns every fast-only switch off "
+                f"(conf/mode/exact.yaml); a key after it on the command line turns that switch back on)")
+
     if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
         raise ConfigError("engine.grad_accum_fusion=true needs engine.mode=fast (exact mode is the bitwise "
-                          "Megatron mirror: its grads stay bf16 .grad added into main_grad)" + preset)
+                          "Megatron mirror: its grads stay bf16 .grad added into main_grad)"
+                          + preset("engine.grad_accum_fusion"))
     if cfg.engine.onepass_optimizer and (cfg.engine.mode != "fast" or cfg.kernels.adamw != "triton"
                                          or cfg.parallel.zero_stage != 0):
         raise ConfigError("engine.onepass_optimizer=true needs engine.mode=fast, kernels.adamw=triton and "
                           f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={cfg.kernels.adamw}, "
-                          f"zero_stage={cfg.parallel.zero_stage}" + (preset if cfg.engine.mode != "fast" else
-                                                                     "; or set engine.onepass_optimizer=false"))
+                          f"zero_stage={cfg.parallel.zero_stage}"
+                          + (preset("engine.onepass_optimizer") if cfg.engine.mode != "fast" else
+                             "; or set engine.onepass_optimizer=false"))
+    if cfg.engine.compile and cfg.engine.mode != "fast":
+        raise ConfigError("engine.compile=true needs engine.mode=fast (exact mode runs Megatron's ops eagerly, "
+                          "op by op)" + preset("engine.compile"))
     if cfg.engine.recompute not in ("none", "full"):
         raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
     rnl = cfg.engine.recompute_num_layers

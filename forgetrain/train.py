@@ -432,6 +432,9 @@ def _resume(run: _Run) -> None:
         run.rewound = (start + 1, recorded[-1]["step"])
     if env.rank == 0:
         print(f"resumed from {last} at step {start}", file=sys.stderr)
+        if start == t.steps:
+            print(f"the run is already complete (train.steps={t.steps}); raise train.steps to train further",
+                  file=sys.stderr)
 
 
 def _open_sinks(run: _Run) -> None:

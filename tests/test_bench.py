@@ -400,6 +400,23 @@ def test_recompute_warnings_read_the_sides_recompute():
     assert recompute_warnings(cfg, ["megatron"]) == []
     lines = recompute_warnings(cfg, ["megatron", "torch_compile"], side_recompute="full")
     assert len(lines) == 1 and lines[0].startswith("warning: bench side 'megatron' has no activation recompute")
+    assert "(bench.side_recompute=full applies to the sides that implement it)" in lines[0], lines[0]
+
+
+def test_a_tiny_model_on_cpu_is_timed_interleaved_and_a_repeated_side_is_refused(monkeypatch):
+    """``bench.interleave=auto`` on CPU compares with the host's memory: three llama_micro sides (each estimate
+    carries a 1 GiB workspace) are interleaved, not timed in A-B-A blocks whose first forged block runs cold. A side
+    named twice is one ConfigError."""
+    from forgetrain import bench, memory
+    from forgetrain.errors import ConfigError
+
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 24 * 2**30)
+    mode, _ = bench.timed_sides(_micro_cfg(), ["megatron"], steps=1,
+                                warmup=0, interleave="auto")
+    assert mode == "interleaved"
+    assert bench._bytes_per_engine(_micro_cfg()) * 3 > 0.4 * 8e9  # what the fixed 8 GB limit refused
+    with pytest.raises(ConfigError, match="bench.against names megatron more than once"):
+        bench._check_bench(bench.BenchConfig(against=["megatron", "megatron"]))
 
 
 def test_sequential_blocks_release_pinned_host_memory(monkeypatch):
@@ -411,4 +428,7 @@ def test_sequential_blocks_release_pinned_host_memory(monkeypatch):
 
     calls = []
     monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(1), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert bench.release_host_cache() and calls == [1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not bench.release_host_cache() and calls == [1]  # no device: nothing to release, nothing raised

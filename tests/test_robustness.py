@@ -214,8 +214,11 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before its first checkpoint was seen: nothing to interrupt"
+    if not (out / "checkpoints" / "latest").exists():
+        proc.kill()
+        pytest.fail(f"no checkpoint within 240 s: {proc.communicate()[1][-1500:]}")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
     last = [x for x in err.strip().splitlines() if x.strip()][-1]
     assert last.startswith("error: interrupted during step") and "train.resume=true" in last, last

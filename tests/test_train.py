@@ -69,7 +69,10 @@ def test_resume_is_bitwise(tmp_path):
             f"train.resume=true train.out_dir={part})") in p1.stderr, p1.stderr[-2000:]
     p2 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])
     assert p2.returncode == 0, p2.stderr[-2000:]
-    assert "resumed from" in p2.stderr
+    assert "resumed from" in p2.stderr and "already complete" not in p2.stderr
+    assert numeric(records(part)) == numeric(records(full))
+    p3 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])  # nothing left to do
+    assert p3.returncode == 0 and "the run is already complete (train.steps=6)" in p3.stderr, p3.stderr[-2000:]
     assert numeric(records(part)) == numeric(records(full))
 
 
