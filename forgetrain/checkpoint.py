@@ -41,7 +41,9 @@ def _barrier() -> None:
 
 @contextlib.contextmanager
 def _deferred_sigint():
-    """Hold Ctrl-C until the block ends (then raise KeyboardInterrupt), so a save is never cut in half by it."""
+    """Hold Ctrl-C until the block ends, so a save is never cut in half by it; then hand it to the handler that was
+    in place (the training loop's, which stops at the step boundary: ``forgetrain.train._CtrlC``), or, when that
+    is Python's default, raise KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -52,7 +54,10 @@ def _deferred_sigint():
     finally:
         signal.signal(signal.SIGINT, previous)
     if caught:
-        raise KeyboardInterrupt
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signal.SIGINT, None)
+        else:
+            raise KeyboardInterrupt
 
 
 def save(ckpt_root: str | os.PathLike, step: int, state: dict, harness: dict) -> Path:

@@ -483,7 +483,9 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if not reference and modes is not None and cfg.engine.mode not in modes:
         raise ConfigError(f"engine.mode={cfg.engine.mode} is not implemented by engine "
                           f"{engine_cls.__module__}:{engine_cls.__qualname__} (it "
-                          f"runs: {'|'.join(modes)}); drop mode=fast_base / engine.mode={cfg.engine.mode}")
+                          f"runs: {'|'.join(modes)}); "
+                          + ("drop mode=fast_base / engine.mode=fast" if cfg.engine.mode == "fast"
+                             else f"set engine.mode={modes[0]}"))
     if not reference and cfg.engine.recompute != "none" and not getattr(engine_cls, "supports_recompute", False):
         raise ConfigError(f"engine.recompute={cfg.engine.recompute} is not implemented by engine "
                           f"{cfg.scenario.engine}; set engine.recompute=none")

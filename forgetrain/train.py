@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -483,6 +484,7 @@ def _loop(run: _Run, progress: bool) -> None:
         bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     probe = _Probe(engine.module_probes()) if (t.digests and start == 0) else None
     run.first_loss = run.existing[0]["loss"] if run.existing else None
+    ctrl_c, completed = _CtrlC(), None
     try:
         for step in range(start, stop):
             mbs = [micro_batch(train_w, step, m, dp_rank, t.micro_batch_size, dp, t.global_batch_size) for m in range(ga)]
@@ -554,6 +556,9 @@ def _loop(run: _Run, progress: bool) -> None:
                 checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:
                 writer.flush()
+            if ctrl_c.requested:  # the first Ctrl-C: this step is finished (and saved, when it was due), stop here
+                completed = step + 1
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -561,11 +566,43 @@ def _loop(run: _Run, progress: bool) -> None:
             writer.flush()
         from forgetrain.errors import Interrupted
 
-        raise Interrupted(f"interrupted during step {step + 1}; {_resume_hint(ckpt_root, out)}") from None
+        when = f"after step {completed} (Ctrl-C)" if completed is not None else f"during step {step + 1}"
+        raise Interrupted(f"interrupted {when}; {_resume_hint(ckpt_root, out)}") from None
+    finally:
+        ctrl_c.restore()
     if bar is not None:
         bar.close()
     if writer:
         writer.flush()
+
+
+class _CtrlC:
+    """Ctrl-C during the training loop, in the main thread: the first SIGINT only sets :attr:`requested` (the loop
+    finishes its step, then stops with the one-line Interrupted error); a second one raises KeyboardInterrupt at
+    once. A KeyboardInterrupt raised at an arbitrary point can land in a finalizer, where Python prints and drops
+    it, and the run goes on; a flag read at the step boundary cannot (Megatron-LM's exit-signal handler stops at
+    an iteration boundary too). :func:`forgetrain.checkpoint.save` holds the signal during a save and hands it to
+    this handler afterwards. Elsewhere (not the main thread) it does nothing."""
+
+    def __init__(self):
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        sys.stderr.write("\nCtrl-C: stopping when this step is finished; Ctrl-C again to stop now\n")
+        sys.stderr.flush()
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:

@@ -221,11 +221,39 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
     last = [x for x in err.strip().splitlines() if x.strip()][-1]
-    assert last.startswith("error: interrupted during step") and "train.resume=true" in last, last
+    # the first Ctrl-C finishes the step in hand, then stops (a flag read at the step boundary, not an exception
+    # raised wherever the signal lands)
+    assert last.startswith("error: interrupted after step ") and "(Ctrl-C)" in last, last
+    assert "train.resume=true" in last and "Ctrl-C: stopping when this step is finished" in err, last
     assert "Traceback" not in err
+    stopped = int(last.split("after step ")[1].split()[0])
     named = last.split("last checkpoint: ")[1].split()[0]
     assert (out / "checkpoints" / named / ".metadata").exists()
-    assert len(records(out)) >= int(named.split("_")[1])  # the trace was flushed up to the checkpoint at least
+    assert len(records(out)) == stopped >= int(named.split("_")[1])  # the trace holds every finished step
+
+
+def test_a_second_ctrl_c_stops_at_once_and_a_save_is_never_cut(tmp_path, monkeypatch):
+    """In-process: the training loop's handler (``train._CtrlC``) takes the first SIGINT as a request, the second
+    as KeyboardInterrupt; a SIGINT during a checkpoint save waits for the save, then reaches that handler."""
+    import signal
+
+    from forgetrain import checkpoint, train
+
+    c = train._CtrlC()
+    try:
+        assert signal.getsignal(signal.SIGINT) == c._on_sigint
+        with checkpoint._deferred_sigint():  # a save in progress: the signal is held
+            signal.raise_signal(signal.SIGINT)
+            assert not c.requested
+        assert c.requested  # handed over after the save
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        c.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):  # no training loop: a save still ends with KeyboardInterrupt
+        with checkpoint._deferred_sigint():
+            signal.raise_signal(signal.SIGINT)
 
 
 def test_short_run_needs_no_warmup_override_and_hydra_writes_into_out_dir(tmp_path):
