@@ -722,6 +722,9 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
                                            "profile": times.get("_profile"),
                                            "engine_info": times.get("_info"),
                                            "forged_blocks_s": times.get("_forged_blocks"),
+                                           "side_recompute": b.side_recompute,
+                                           "warnings": recompute_warnings(rc, b.against, b.side_recompute)
+                                                       + ([warning] if warning else []),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
     if record is not None:

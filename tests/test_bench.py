@@ -45,6 +45,8 @@ def test_bench_one_process(tmp_path):
     warnings = [x for x in p.stdout.splitlines() if "not production-like" in x]
     assert len(warnings) == 1 and "train.global_batch_size=16" in warnings[0], p.stdout
     assert (tmp_path / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*.log"))  # no empty cli.log
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["side_recompute"] is None and res["warnings"] == [warnings[0]]  # the printed warnings, recorded
 
 
 def test_bench_under_torchrun_dp2(tmp_path):
