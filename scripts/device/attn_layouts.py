@@ -99,6 +99,16 @@ def main() -> int:
                         bwd()
                     tf = statistics.median(_time(fwd, a.reps))
                     tb = statistics.median(_time(bwd, a.reps))
+                    # which kernels cuDNN / flash picked (the fused step's profile showed another cuDNN "knob"
+                    # for the backward than this isolated call may get)
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        fwd()
+                        bwd()
+                        torch.cuda.synchronize()
+                    row["kernels"] = sorted({e.key for e in prof.key_averages() if "sdpa" in e.key.lower()
+                                             or "flash" in e.key.lower() or "fmha" in e.key.lower()})
                 row.update(fwd_ms=tf, bwd_ms=tb, fwd_tflops=fwd_flop / tf / 1e9, bwd_tflops=2.5 * fwd_flop / tb / 1e9,
                            o_strides=list(o.stride()))
             except Exception as e:  # noqa: BLE001 - a backend that refuses a layout is a result
