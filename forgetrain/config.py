@@ -287,6 +287,13 @@ def grad_accum_steps(cfg: RunConfig) -> int:
     return t.global_batch_size // (t.micro_batch_size * p.data_parallel_size)
 
 
+def per_layer_weights_possible(cfg: RunConfig) -> bool:
+    """Whether ``engine.bf16_weights=per_layer`` can run with ``cfg``'s precision and layout (with
+    ``engine.recompute=full``): bf16 on one GPU without ZeRO. The one statement of that precondition: validation
+    and the memory check's remedies (``forgetrain.memory``) read it."""
+    return cfg.train.precision == "bf16" and cfg.parallel.data_parallel_size == 1 and cfg.parallel.zero_stage == 0
+
+
 def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bool = False) -> RunConfig:
     """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message.
 
@@ -465,9 +472,8 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
                           f"onepass_optimizer={cfg.engine.onepass_optimizer}")
     if cfg.engine.bf16_weights not in ("resident", "per_layer"):
         raise ConfigError(f"engine.bf16_weights must be resident|per_layer, got '{cfg.engine.bf16_weights}'")
-    if not reference and cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full" or cfg.train.precision != "bf16"
-                                                    or cfg.parallel.data_parallel_size > 1
-                                                    or cfg.parallel.zero_stage != 0):
+    if not reference and cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full"
+                                                                      or not per_layer_weights_possible(cfg)):
         raise ConfigError("engine.bf16_weights=per_layer needs engine.recompute=full, train.precision=bf16 and one "
                           f"GPU without ZeRO; got recompute={cfg.engine.recompute}, precision="
                           f"{cfg.train.precision}, data_parallel_size={cfg.parallel.data_parallel_size}, "

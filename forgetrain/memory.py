@@ -296,7 +296,9 @@ def remedies(cfg, where: str = "device") -> list[str]:
         out.append("set engine.recompute=full")
     elif e.recompute_num_layers is not None and e.recompute_num_layers < cfg.model.num_layers:
         out.append("raise engine.recompute_num_layers (or null: every layer)")
-    if t.precision == "bf16" and e.bf16_weights != "per_layer":
+    from forgetrain.config import per_layer_weights_possible
+
+    if per_layer_weights_possible(cfg) and e.bf16_weights != "per_layer":
         out.append("set engine.bf16_weights=per_layer (with recompute)")
     if where == "device" and (e.optimizer_offload_fraction or 0) < 1:
         out.append("raise engine.optimizer_offload_fraction")
@@ -306,12 +308,15 @@ def remedies(cfg, where: str = "device") -> list[str]:
 
 def leanest(cfg, where: str = "device"):
     """``cfg`` with every layout remedy of :func:`remedies` in effect (micro-batch 1, gradient accumulation fusion
-    in fast mode, full recompute of every layer, per-layer bf16 weights under bf16, the whole optimizer offloaded
+    in fast mode, full recompute of every layer, per-layer bf16 weights where they can run
+    (:func:`forgetrain.config.per_layer_weights_possible`), the whole optimizer offloaded
     where the capacity is a GPU's): the smallest footprint without changing the model or the sequence."""
+    from forgetrain.config import per_layer_weights_possible
+
     e, t = cfg.engine, cfg.train
     eng = replace(e, recompute="full", recompute_num_layers=None,
                   grad_accum_fusion=e.grad_accum_fusion or e.mode == "fast",
-                  bf16_weights="per_layer" if t.precision == "bf16" else e.bf16_weights,
+                  bf16_weights="per_layer" if per_layer_weights_possible(cfg) else e.bf16_weights,
                   optimizer_offload_fraction=1.0 if where == "device" else e.optimizer_offload_fraction)
     return replace(cfg, engine=eng, train=replace(t, micro_batch_size=1))
 
@@ -383,8 +388,10 @@ def _without_offload_hint(cfg, capacity: int) -> str:
 
     if fits():
         return ""
+    from forgetrain.config import per_layer_weights_possible
+
     lean = {"recompute": "full", "recompute_num_layers": None}
-    if cfg.train.precision == "bf16" and cfg.parallel.data_parallel_size == 1 and cfg.parallel.zero_stage == 0:
+    if per_layer_weights_possible(cfg):
         lean["bf16_weights"] = "per_layer"
     if not fits(**lean):
         return ""
