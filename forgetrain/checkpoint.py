@@ -44,7 +44,8 @@ def _deferred_sigint():
     """Hold Ctrl-C until the block ends, so a save is never cut in half by it; then hand it to the handler that was
     in place (the training loop's, which stops at the step boundary: ``forgetrain.train._CtrlC``), or, when that
     is Python's default, raise KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):  # ignored (nohup, a background job): stays so
         yield
         return
     caught = []

@@ -582,14 +582,16 @@ class _CtrlC:
     once. A KeyboardInterrupt raised at an arbitrary point can land in a finalizer, where Python prints and drops
     it, and the run goes on; a flag read at the step boundary cannot (Megatron-LM's exit-signal handler stops at
     an iteration boundary too). :func:`forgetrain.checkpoint.save` holds the signal during a save and hands it to
-    this handler afterwards. Elsewhere (not the main thread) it does nothing."""
+    this handler afterwards. Elsewhere (not the main thread, or SIGINT ignored from the start) it does nothing."""
 
     def __init__(self):
         import threading
 
         self.requested = False
         self._previous = None
-        if threading.current_thread() is threading.main_thread():
+        # a process started with SIGINT ignored (nohup, a background job of a script) keeps ignoring it
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum, frame):

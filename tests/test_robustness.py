@@ -207,9 +207,13 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # 2000 steps: long enough that the run is still going when the first checkpoint appears, even on a loaded
     # 2-core machine (a 400-step run once finished first under load, and the signal then reached no process)
+    # SIGINT at its default in the child: a test run launched in the background (nohup, `cmd &` in a script) hands
+    # its children SIGINT ignored, and a Python started so keeps ignoring it (that made this test fail in CI runs
+    # started with `bash .ci/run &`: the run went on to the end)
     proc = subprocess.Popen([sys.executable, "-m", "forgetrain", *SHORT, "train.steps=2000", "train.save_interval=2",
                              f"train.out_dir={out}"], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
@@ -239,21 +243,33 @@ def test_a_second_ctrl_c_stops_at_once_and_a_save_is_never_cut(tmp_path, monkeyp
 
     from forgetrain import checkpoint, train
 
-    c = train._CtrlC()
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive Python starts
     try:
-        assert signal.getsignal(signal.SIGINT) == c._on_sigint
-        with checkpoint._deferred_sigint():  # a save in progress: the signal is held
-            signal.raise_signal(signal.SIGINT)
-            assert not c.requested
-        assert c.requested  # handed over after the save
-        with pytest.raises(KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)
-    finally:
-        c.restore()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):  # no training loop: a save still ends with KeyboardInterrupt
+        c = train._CtrlC()
+        try:
+            assert signal.getsignal(signal.SIGINT) == c._on_sigint
+            with checkpoint._deferred_sigint():  # a save in progress: the signal is held
+                signal.raise_signal(signal.SIGINT)
+                assert not c.requested
+            assert c.requested  # handed over after the save
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        finally:
+            c.restore()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):  # no training loop: a save still ends with KeyboardInterrupt
+            with checkpoint._deferred_sigint():
+                signal.raise_signal(signal.SIGINT)
+        # started with SIGINT ignored (nohup, a background job): neither installs a handler; it stays ignored
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        c = train._CtrlC()
         with checkpoint._deferred_sigint():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             signal.raise_signal(signal.SIGINT)
+        c.restore()
+        assert not c.requested and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_short_run_needs_no_warmup_override_and_hydra_writes_into_out_dir(tmp_path):
