@@ -579,9 +579,9 @@ def _loop(run: _Run, progress: bool) -> None:
 class _CtrlC:
     """Ctrl-C during the training loop, in the main thread: the first SIGINT only sets :attr:`requested` (the loop
     finishes its step, then stops with the one-line Interrupted error); a second one raises KeyboardInterrupt at
-    once. A KeyboardInterrupt raised at an arbitrary point can land in a finalizer, where Python prints and drops
-    it, and the run goes on; a flag read at the step boundary cannot (Megatron-LM's exit-signal handler stops at
-    an iteration boundary too). :func:`forgetrain.checkpoint.save` holds the signal during a save and hands it to
+    once. Stopping at the step boundary leaves the trace and the checkpoints holding whole steps only, and no
+    KeyboardInterrupt is raised inside library code (Megatron-LM's exit-signal handler also stops at an iteration
+    boundary). :func:`forgetrain.checkpoint.save` holds the signal during a save and hands it to
     this handler afterwards. Elsewhere (not the main thread, or SIGINT ignored from the start) it does nothing."""
 
     def __init__(self):
