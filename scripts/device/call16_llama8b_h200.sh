@@ -27,6 +27,8 @@
 #           The sides run with every block checkpointed (bench.side_recompute=full: how their users fit the card),
 #           the forged side with its own layout. Before 2026-12-03 (fourth session) PART=c/d/cd did not set it, so
 #           under the offload default (recompute none) the sides stored their activations.
+#           EXTRA adds overrides: EXTRA=bench.single_micro_batch=false times the GBS-32 headline alone (PART=cd with
+#           both batches ran past the call's 600 s on 2026-12-03, fifth session, with nothing returned).
 #   PART=e  the recompute knob of the device-only layout: the forged engine alone at global batch 8,
 #           engine.recompute_num_layers 32, 30, 28
 #           (the estimate's 128.2, 131.0, 133.8 GiB), step_s, both MFUs and peak mem_gib for each. About 8 min.
@@ -93,7 +95,7 @@ c|d|cd)
   case $PART in c) side=torchtitan ;; d) side=torch_compile ;; cd) side=torch_compile,torchtitan ;; esac
   echo "$(ts) == bench: forged (scenario default) vs $side, GBS 32 + one micro-batch ($(left) s left)"
   timeout $(left) python3 -m forgetrain.bench $S "bench.against=[$side]" bench.side_recompute=full bench.steps=3 \
-    bench.warmup=1 bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 2>&1 | filt 30
+    bench.warmup=1 bench.interleave=never train.deterministic=false bench.out_dir=/tmp/b16 ${EXTRA:-} 2>&1 | tee $OUT/call16_bench.log | filt 30
   cp /tmp/b16/bench.json $OUT/call16_bench_llama8b_h200_gbs32_${side//,/_}.json 2>/dev/null
   ;;
 e)
