@@ -177,6 +177,31 @@ def test_rejects_a_packed_backward_that_swaps_the_halves():
     assert not any(" dgate: " in f or " dup: " in f for f in rep.failures), rep.failures
 
 
+@triton.jit
+def _swiglu_packed_bwd_no_offset(DY, X, DX, stride_dy, stride_x, stride_dx, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dg, du = swiglu_m._swiglu_grads(dy, g, u)
+    tl.store(DX + row * stride_dx + cols, dg.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + row * stride_dx + cols, du.to(DX.dtype.element_ty), mask=mask)  # BUG: dup over dgate
+
+
+def test_rejects_a_packed_backward_kernel_that_misplaces_dup():
+    """The packed backward kernel writes dx whole; one that stores dup over dgate (the second half never written)
+    is rejected through dx_packed, and the unpacked entry point, which runs the other backward kernel, still
+    passes."""
+    fn = swiglu_m.make_swiglu(packed_bwd_kernel=_swiglu_packed_bwd_no_offset)
+    spec = dataclasses.replace(swiglu_m.SPEC, candidate=swiglu_m.candidate_from(fn))
+    rep = validate(spec, "cpu", shapes="small")
+    assert not rep.passed
+    assert any(" dx_packed: " in f for f in rep.failures), rep.failures
+    assert not any(" dgate: " in f or " dup: " in f for f in rep.failures), rep.failures
+
+
 def test_swiglu_packed_matches_chunk_then_swiglu():
     """The packed entry point gives the bits of ``swiglu(*x.chunk(2, -1))`` both ways (same kernels, same
     arithmetic); its dx is one contiguous tensor."""

@@ -34,6 +34,7 @@ def _cases():
     sw_f = dict(G=p16, U=p16, Y=p16, stride_g=i32, stride_u=i32, stride_y=i32, n_cols=i32, BLOCK="constexpr")
     sw_b = dict(DY=p16, G=p16, U=p16, DG=p16, DU=p16, stride_dy=i32, stride_g=i32, stride_u=i32, stride_dg=i32,
                 stride_du=i32, n_cols=i32, BLOCK="constexpr")
+    sw_pb = dict(DY=p16, X=p16, DX=p16, stride_dy=i32, stride_x=i32, stride_dx=i32, n_cols=i32, BLOCK="constexpr")
     rp = dict(T=p16, COS=p32, SIN=p32, OUT=p16, stride_tb=i32, stride_ts=i32, stride_th=i32, stride_ob=i32,
               stride_os=i32, stride_oh=i32, stride_cs=i32, S=i32, NH=i32, HALF="constexpr", BLOCK_H="constexpr",
               BLOCK_D="constexpr", BACKWARD="constexpr")
@@ -51,6 +52,7 @@ def _cases():
         ("rmsnorm.bwd H=4096", rmsnorm._rmsnorm_bwd_kernel, rms_b, dict(HAS_DSO=True, HAS_DR=True, BLOCK_H=4096), 16),
         ("swiglu.fwd", swiglu._swiglu_fwd_kernel, sw_f, dict(BLOCK=1024), 4),
         ("swiglu.bwd", swiglu._swiglu_bwd_kernel, sw_b, dict(BLOCK=1024), 4),
+        ("swiglu.bwd packed", swiglu._swiglu_packed_bwd_kernel, sw_pb, dict(BLOCK=1024), 4),
         ("rope.fwd H=32 D=128", rope._rope_kernel, rp, dict(HALF=64, BLOCK_H=32, BLOCK_D=64, BACKWARD=False), 4),
         ("rope.bwd H=8 D=128", rope._rope_kernel, rp, dict(HALF=64, BLOCK_H=8, BLOCK_D=64, BACKWARD=True), 4),
         ("cross_entropy.fwd first", cross_entropy._ce_fwd_kernel, ce_f, dict(FIRST=True, BLOCK_V=4096), 8),

@@ -9,8 +9,9 @@ Math (Shazeer 2020, "GLU Variants Improve Transformer"; silu(g) = g * sigmoid(g)
 All in fp32, rounded once to the input dtype. The replaced op rounds ``silu(g)`` to bf16 before the product
 (and its backward rounds intermediate products too).
 
-Two entry points run the same two kernels: ``swiglu(gate, up)``, and ``swiglu_packed(x)`` for the fused fc1
-output ``x = [gate | up]`` ``[..., 2F]``, whose backward writes both halves of ``dx`` in the one kernel. With
+Two entry points share the forward kernel and the backward's arithmetic (``_swiglu_grads``): ``swiglu(gate, up)``,
+and ``swiglu_packed(x)`` for the fused fc1 output ``x = [gate | up]`` ``[..., 2F]``, whose backward kernel writes both
+halves of ``dx``, passed whole, in one pass. With
 ``swiglu`` on ``x.chunk(2, -1)``, autograd's chunk backward concatenates ``dgate`` and ``dup`` into ``dx``: one more
 read and write of ``[tokens, 2F]`` per layer and micro-batch (the H200 profile of the 8B proxy, 2026-12-02: the
 compiled ``cat``-fused SwiGLU backward moved its data at about 2 TB/s).
@@ -39,6 +40,16 @@ def _swiglu_fwd_kernel(G, U, Y, stride_g, stride_u, stride_y, n_cols, BLOCK: tl.
 
 
 @triton.jit
+def _swiglu_grads(dy, g, u):
+    """(dgate, dup) in fp32 from fp32 ``dy``, ``g``, ``u``: the one statement of the backward's arithmetic."""
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
+    du = dy * silu
+    return dg, du
+
+
+@triton.jit
 def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_dg, stride_du, n_cols,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -47,12 +58,26 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_d
     dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    dg = dy * u * sig * (1.0 + g * (1.0 - sig))
-    du = dy * silu
+    dg, du = _swiglu_grads(dy, g, u)
     tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * stride_du + cols, du.to(DU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_packed_bwd_kernel(DY, X, DX, stride_dy, stride_x, stride_dx, n_cols, BLOCK: tl.constexpr):
+    """The packed backward: gate and up are columns [0, F) and [F, 2F) of each row of X, and dgate and dup go
+    to the same columns of DX. DX is one whole tensor, not two column slices: a compiled graph clones each
+    mutated slice a user Triton kernel writes and scatters it back (three copy kernels per call, 21 ms of a
+    1.06 s step of the 8B proxy on the H200, 2026-12-03), while a whole fresh tensor is written in place."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dg, du = _swiglu_grads(dy, g, u)
+    tl.store(DX + row * stride_dx + cols, dg.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + row * stride_dx + n_cols + cols, du.to(DX.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, F_: int) -> torch.Tensor:
@@ -68,8 +93,10 @@ def _block(F_: int) -> int:
     return min(1024, next_pow2(F_))
 
 
-def make_swiglu(fwd_kernel=_swiglu_fwd_kernel, bwd_kernel=_swiglu_bwd_kernel):
-    """Build the functional API around a (forward, backward) kernel pair (tests inject broken variants)."""
+def make_swiglu(fwd_kernel=_swiglu_fwd_kernel, bwd_kernel=_swiglu_bwd_kernel,
+                packed_bwd_kernel=_swiglu_packed_bwd_kernel):
+    """Build the functional API around its kernels: the forward, the backward and the packed backward (tests
+    inject broken variants)."""
 
     class _SwiGLU(torch.autograd.Function):
         @staticmethod
@@ -123,10 +150,9 @@ def make_swiglu(fwd_kernel=_swiglu_fwd_kernel, bwd_kernel=_swiglu_bwd_kernel):
             dy2 = _rows(dy, F_)
             dx = empty((M, F2), x2.dtype, x2.device)
             BLOCK = _block(F_)
-            if M > 0 and F_ > 0:  # dgate and dup straight into the two halves of dx
-                bwd_kernel[(M, triton.cdiv(F_, BLOCK))](dy2, x2[:, :F_], x2[:, F_:], dx[:, :F_], dx[:, F_:],
-                                                        dy2.stride(0), x2.stride(0), x2.stride(0), dx.stride(0),
-                                                        dx.stride(0), F_, BLOCK=BLOCK, num_warps=4)
+            if M > 0 and F_ > 0:  # dgate and dup straight into the two halves of dx, passed whole
+                packed_bwd_kernel[(M, triton.cdiv(F_, BLOCK))](dy2, x2, dx, dy2.stride(0), x2.stride(0),
+                                                               dx.stride(0), F_, BLOCK=BLOCK, num_warps=4)
             return dx.view(ctx.shape)
 
     def swiglu_packed(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded for the SwiGLU lever by call19_swiglu_ab.sh (one-machine A-B-A; the packed backward kernel changed after this call ran).
 # Device call 18 (one H200), the performance issue's SwiGLU lever: kernels.swiglu=triton now runs swiglu_packed on
 # the fused fc1 output [gate | up], whose backward writes d(fc1) whole (the torch path's compiled, cat-fused SwiGLU
 # backward moved its data at about 2 TB/s: 19.1 ms of a 1.03 s GBS-8 step of the 8B proxy, 2026-12-02 profile).

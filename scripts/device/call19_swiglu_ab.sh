@@ -1,24 +1,49 @@
 #!/usr/bin/env bash
 # Device call 19 (one H200): the SwiGLU lever A-B-A in one call. Call 18 (2026-12-03, fifth session) timed the
 # 8B proxy at GBS 8 with kernels.swiglu=triton at 1.0604 s against the default's 1.0237 s of the previous session;
-# a cross-session gap that size is within machine drift, so this times the default (A) and kernels.swiglu=triton
-# (B) alone, A-B-A, on one machine: the forged engine only, 8B proxy (llama8b_h100, 4 layers, seq 8192),
-# micro-batch 1 x grad-accum 8, warm-up 2, median of 6. Then scripts/device/attn_layouts.py unless NOATTN=1.
+# this call's first run (same session) timed A 1.0470 / B 1.0584 / A 1.0463 s on one machine: B 1.1% slower. The
+# profile showed why: the compiled block cloned the two mutated dx slices the packed backward passed to its kernel
+# and scattered them back (21 ms a step). The packed backward now has its own kernel writing dx whole.
+#   0. unless NOSEAL=1: validate + seal swiglu on CUDA (the kernel source changed; the registry that comes back,
+#      call19_registry.json, replaces forgetrain/kernels/registry.json);
+#   1-3. the 8B proxy (llama8b_h100, 4 layers, seq 8192), micro-batch 1 x grad-accum 8, warm-up 2, median of 6,
+#      the forged engine alone: A the scenario default, B kernels.swiglu=triton (profiled unless NOPROF=1: the
+#      copy kernels around the SwiGLU backward should be gone), A again;
+#   4. unless NOTOL=1: the tolerance tier of the fast base with kernels.swiglu=triton vs Megatron-core (T of
+#      shapes.sh), verdict and plot;
+#   5. with ATTN=1: scripts/device/attn_layouts.py (its JSON would be a ninth file; 8 come back).
 #   run: bash scripts/device/call19_swiglu_ab.sh   (carry [".whl"]; about 4 min)
 set -u
 . scripts/device/setup.sh
+if [ -z "${NOSEAL:-}" ]; then
+  echo "$(ts) == 0. validate + seal swiglu on CUDA ($(left) s left)"
+  timeout 120 python3 -m forgetrain.kernels seal --kernel swiglu --device cuda --shapes full --repeats 20 --warmup 5 \
+    --registry forgetrain/kernels/registry.json --json $OUT/call19_swiglu_seal.json 2>&1 | filt 4
+  cp forgetrain/kernels/registry.json $OUT/call19_registry.json
+fi
 P="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
 train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
 i=0
 for arm in A B A; do
   i=$((i+1))
-  sw=$([ $arm = B ] && echo "kernels.swiglu=triton kernels.allow_unsealed=${UNSEALED:-false}" || echo "")
+  sw=$([ $arm = B ] && echo "kernels.swiglu=triton kernels.allow_unsealed=${UNSEALED:-false} \
+bench.profile=$([ -z "${NOPROF:-}" ] && echo true || echo false)" || echo "")
   echo "$(ts) == $i. forged alone, arm $arm ${sw:-(scenario default)} ($(left) s left)"
-  timeout $(( $(left) - 30 )) python3 -m forgetrain.bench $P $sw bench.out_dir=/tmp/b19_$i 2>&1 | grep -E "^forged |error" 
+  timeout $(( $(left) - 30 )) python3 -m forgetrain.bench $P $sw bench.out_dir=/tmp/b19_$i 2>&1 \
+    | grep -E "^forged |error|^  [a-zA-Z -]+ +[0-9.]+ ms"
   cp /tmp/b19_$i/bench.json $OUT/call19_bench_${i}_$arm.json 2>/dev/null
 done
-if [ -z "${NOATTN:-}" ]; then
-  echo "$(ts) == attention layouts ($(left) s left)"
+tar czf $OUT/call19_profile_B.tgz -C /tmp/b19_2 profile_forged.json 2>/dev/null
+if [ -z "${NOTOL:-}" ]; then
+  echo "$(ts) == 4. tolerance: fast base + kernels.swiglu=triton vs Megatron-core ($(left) s left)"
+  . scripts/device/shapes.sh
+  timeout $(( $(left) - 10 )) python3 -m forgetrain.verify $T $BASE kernels.swiglu=triton \
+    kernels.allow_unsealed=${UNSEALED:-false} verify.out_dir=/tmp/v19 2>&1 | filt 4
+  cp /tmp/v19/verdict.json $OUT/call19_tol_swiglu_packed_verdict.json 2>/dev/null
+  cp /tmp/v19/loss_curves.png $OUT/call19_tol_swiglu_packed_loss_curves.png 2>/dev/null
+fi
+if [ -n "${ATTN:-}" ]; then
+  echo "$(ts) == 5. attention layouts ($(left) s left)"
   timeout $(( $(left) - 5 )) python3 scripts/device/attn_layouts.py 2>&1 | filt 30
 fi
 echo "$(ts) done"
