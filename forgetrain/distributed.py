@@ -47,6 +47,19 @@ class DistEnv:
         return box[0]
 
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank: an all-reduce MAX of one int32 (on the current CUDA device under
+        NCCL, on the CPU under gloo); ``flag`` itself for a single process. A collective: every rank calls it at
+        the same point, or the ranks hang until ``parallel.timeout_s``."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        nccl = dist.get_backend() == "nccl"
+        t = torch.tensor([int(flag)], dtype=torch.int32,
+                         device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
 class CollectiveError(ForgeTrainError):
     """A collective failed or timed out: a peer rank died, hung or is unreachable. Exit code 1."""
 

@@ -556,7 +556,10 @@ def _loop(run: _Run, progress: bool) -> None:
                 checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:
                 writer.flush()
-            if ctrl_c.requested:  # the first Ctrl-C: this step is finished (and saved, when it was due), stop here
+            # the first Ctrl-C: this step is finished (and saved, when it was due), stop here. Every rank stops after
+            # the same step: the request is agreed over the ranks at each step boundary (under torchrun the signal
+            # reaches the workers one by one, and a rank already in the next step would wait on its peers' collectives)
+            if env.any_rank(ctrl_c.requested):
                 completed = step + 1
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -581,8 +584,9 @@ class _CtrlC:
     finishes its step, then stops with the one-line Interrupted error); a second one raises KeyboardInterrupt at
     once. Stopping at the step boundary leaves the trace and the checkpoints holding whole steps only, and no
     KeyboardInterrupt is raised inside library code (Megatron-LM's exit-signal handler also stops at an iteration
-    boundary). :func:`forgetrain.checkpoint.save` holds the signal during a save and hands it to
-    this handler afterwards. Elsewhere (not the main thread, or SIGINT ignored from the start) it does nothing."""
+    boundary; its distributed handler agrees across ranks as the loop does with :meth:`DistEnv.any_rank`).
+    :func:`forgetrain.checkpoint.save` holds the signal during a save and hands it to this handler afterwards.
+    Elsewhere (not the main thread, or SIGINT ignored from the start) it does nothing."""
 
     def __init__(self):
         import threading

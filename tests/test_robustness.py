@@ -236,6 +236,58 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
     assert len(records(out)) == stopped >= int(named.split("_")[1])  # the trace holds every finished step
 
 
+def _worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker with ``RANK=rank`` (Linux /proc: a child of the launcher)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (d / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(d.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
+
+
+def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
+    """A Ctrl-C (SIGINT) that reaches the ranks at different moments (torchrun passes it to its workers one by one)
+    is agreed over the ranks at the step boundary: both stop after the same step with the one-line error, and
+    neither is left waiting on the other's collectives (before that, the signalled rank stopped and the other died
+    with a collective failure)."""
+    import signal
+    import time
+
+    from tests.test_parallel import _free_port
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "-m", "forgetrain", *SHORT, "train.steps=4000", "train.save_interval=5", "train.threads=1",
+           "train.micro_batch_size=2", "train.global_batch_size=4", "parallel=dp2", f"train.out_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True,  # a terminal's Ctrl-C goes to torchrun, which passes it on
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    if proc.poll() is not None or not (out / "checkpoints" / "latest").exists():
+        proc.kill()
+        pytest.fail(f"no checkpoint while the run was going: {proc.communicate()[1][-1500:]}")
+    # the signal reaches rank 0 alone (as when the workers get it at different moments): rank 1 learns of it at
+    # the step boundary
+    os.kill(_worker_pid(proc.pid, rank=0), signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    stops = [x for x in err.splitlines() if x.startswith("error: interrupted after step ")]
+    assert len(stops) == 2, err[-3000:]  # one per rank
+    assert stops[0] == stops[1], stops  # the same step, the same checkpoint named
+    assert "a collective failed" not in err, err[-3000:]
+    stopped = int(stops[0].split("after step ")[1].split()[0])
+    assert len(records(out)) == stopped
+
+
 def test_a_second_ctrl_c_stops_at_once_and_a_save_is_never_cut(tmp_path, monkeypatch):
     """In-process: the training loop's handler (``train._CtrlC``) takes the first SIGINT as a request, the second
     as KeyboardInterrupt; a SIGINT during a checkpoint save waits for the save, then reaches that handler."""
