@@ -7,6 +7,7 @@ makes their traces comparable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -206,14 +207,20 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     ref = kw.get("kind", "scenarios") != "scenarios"
     validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
+    existed = out.exists()
     _check_disk(cfg, out, env, final_params=kw.get("final_params", True))
     lock = _lock_out_dir(out, env)
     try:
+        if cfg.train.resume:  # after the lock (a live run's directory is refused as in use), before the data and
+            _check_resumable(out / "checkpoints")  # the engine are prepared: nothing to resume fails fast
         return _train(cfg, env, out, record=record, **kw)
     finally:
         if lock is not None:
             (out / ".lock").unlink(missing_ok=True)
             lock.close()
+            if not existed:  # the lock made the directory: a run that wrote nothing leaves none behind
+                with contextlib.suppress(OSError):
+                    out.rmdir()
 
 
 def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) -> None:
@@ -390,16 +397,22 @@ def _setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: s
                 peak=peak, peak_label=peak_label)
 
 
+def _check_resumable(ckpt_root: Path) -> None:
+    """Raise CheckpointError when ``ckpt_root`` holds no complete checkpoint (``train.resume=true`` has nothing to
+    continue). Every rank reads the same directory."""
+    if checkpoint.latest(ckpt_root) is None:
+        raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}: nothing to continue; "
+                              f"start afresh without train.resume (with train.overwrite=true where the directory "
+                              f"already holds a trace), or choose another train.out_dir")
+
+
 def _resume(run: _Run) -> None:
     """Load the newest good checkpoint into the engine (skipping damaged ones, with a warning) and keep the trace
     up to it. Raises CheckpointError when there is none, or it lies past ``train.steps``, or it was trained with
     another global batch."""
     cfg, env, engine, t = run.cfg, run.env, run.engine, run.cfg.train
     ckpt_root = run.ckpt_root
-    if checkpoint.latest(ckpt_root) is None:
-        raise CheckpointError(f"train.resume=true but no complete checkpoint under {ckpt_root}: nothing to continue; "
-                              f"start afresh without train.resume (with train.overwrite=true where the directory "
-                              f"already holds a trace), or choose another train.out_dir")
+    _check_resumable(ckpt_root)
     state, harness, last, skipped = checkpoint.load_newest_good(
         ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict(), share_pinned=True))
     for why in skipped:
@@ -420,8 +433,10 @@ def _resume(run: _Run) -> None:
                               f"Resume with the same global batch")
     if harness.get("config_hash") != config_hash(cfg):
         changed = config_changes(harness["config"], hashed_config(cfg)) if "config" in harness else []
-        log.warning("resuming with a config hash %s different from the checkpoint's %s%s", config_hash(cfg),
-                    harness.get("config_hash"), f": {'; '.join(changed)}" if changed else "")
+        if env.rank == 0:
+            what = "; ".join(changed) if changed else f"config hash {harness.get('config_hash')} -> {config_hash(cfg)}"
+            print(f"warning: resuming {last.name} with settings different from the checkpoint's: {what}",
+                  file=sys.stderr)
     try:
         recorded = read_trace(run.trace_dir)[1]
     except FileNotFoundError:

@@ -85,7 +85,8 @@ def test_resume_with_another_config_names_what_changed(tmp_path):
     assert p1.returncode == 0, p1.stderr[-2000:]
     p2 = run([*base, "train.steps=6", "train.lr=2e-3", "train.resume=true"])
     assert p2.returncode == 0, p2.stderr[-2000:]
-    line = next(x for x in (p2.stdout + p2.stderr).splitlines() if "different from the checkpoint's" in x)
+    line = next(x for x in p2.stderr.splitlines() if "different from the checkpoint's" in x)
+    assert line.startswith("warning: resuming step_000002 with settings")  # a console line, not a log record
     assert "train.lr " in line and "-> 0.002" in line and "train.steps 4 -> 6" in line, line
     assert "model." not in line  # only what differs
 
@@ -104,6 +105,19 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("error: train.resume=true but no complete checkpoint")
     assert "train.overwrite=true" in p.stderr.strip().splitlines()[-1]  # the way out, not back to train.resume
+
+
+def test_resume_without_checkpoint_is_refused_before_the_data_and_engine(tmp_path, monkeypatch):
+    """The refusal comes before :func:`forgetrain.train._setup` (data preparation, engine build) runs."""
+    import forgetrain.train as train_mod
+    from forgetrain.config import RunConfig, TrainConfig
+    from forgetrain.errors import CheckpointError
+
+    monkeypatch.setattr(train_mod, "_setup", lambda *a, **k: pytest.fail("data and engine prepared first"))
+    cfg = RunConfig(train=TrainConfig(resume=True, out_dir=str(tmp_path / "none")))
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        train_mod.train(cfg)
+    assert not (tmp_path / "none").exists()  # nothing written
 
 
 def test_sweep_runs_every_value(tmp_path):
