@@ -160,6 +160,11 @@ class EngineOptions:
 
     mode: str = "exact"  # exact | fast
     compile: bool = False  # torch.compile each transformer block (fast mode)
+    # fast mode: how inductor picks the launch parameters of the kernels it generates, for every torch.compile the
+    # engine makes (the blocks, the recomputed layers, the chunked cross-entropy): none (its heuristics) |
+    # coordinate_descent (a coordinate-descent search of each kernel's block sizes and warps at the first step:
+    # inductor_options). Tolerance tier: another tiling of a reduction sums in another order (optimisations.yaml)
+    compile_tuning: str = "none"
     attention_backend: str = "cudnn"  # fast mode SDPA preference on CUDA: cudnn | default
     ce_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk (kernels.cross_entropy=chunked|triton)
     # fast mode: weight-gradient GEMMs write/accumulate straight into the fp32 main_grad (Megatron's gradient
@@ -183,6 +188,16 @@ class EngineOptions:
     # beside the fp32 main weights, Megatron's recipe) | per_layer (no copy between steps: each layer's is cast
     # from the fp32 main weights when its forward or its recompute starts; needs recompute=full). Bitwise
     bf16_weights: str = "resident"
+
+
+COMPILE_TUNINGS = {"none": {}, "coordinate_descent": {"coordinate_descent_tuning": True}}
+
+
+def inductor_options(engine_opts) -> dict | None:
+    """The ``options`` of every ``torch.compile`` a forged engine makes, from ``engine.compile_tuning``
+    (:data:`COMPILE_TUNINGS`: inductor config keys, ``torch._inductor.config``); None for inductor's defaults.
+    Raises KeyError for a value :func:`validate` would have refused."""
+    return COMPILE_TUNINGS[getattr(engine_opts, "compile_tuning", "none")] or None
 
 
 @dataclass
@@ -452,6 +467,12 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
                           f"zero_stage={cfg.parallel.zero_stage}"
                           + (preset("engine.onepass_optimizer") if cfg.engine.mode != "fast" else
                              "; or set engine.onepass_optimizer=false"))
+    if cfg.engine.compile_tuning not in COMPILE_TUNINGS:
+        raise ConfigError(f"engine.compile_tuning must be {'|'.join(COMPILE_TUNINGS)}, got "
+                          f"'{cfg.engine.compile_tuning}'")
+    if cfg.engine.compile_tuning != "none" and cfg.engine.mode != "fast":
+        raise ConfigError(f"engine.compile_tuning={cfg.engine.compile_tuning} needs engine.mode=fast (exact mode "
+                          f"compiles nothing); drop engine.compile_tuning")
     if cfg.engine.compile and cfg.engine.mode != "fast":
         raise ConfigError("engine.compile=true needs engine.mode=fast (exact mode runs Megatron's ops eagerly, "
                           "op by op)" + preset("engine.compile"))

@@ -106,7 +106,8 @@ class LayerRunner:
     per_layer_dtype: the just-in-time working dtype (``torch.bfloat16``) or None for the resident weights.
     main_grad: name -> fp32 tensor; needed with ``per_layer_dtype``. Names of weights fused into ``main_grad`` by
         gradient accumulation fusion (``fused``) get no gradient here (their GEMMs wrote it).
-    compile: compile each layer's ``functional_call`` (``engine.compile``).
+    compile: compile each layer's ``functional_call`` (``engine.compile``), with inductor ``compile_options``
+        (``engine.compile_tuning``: ``forgetrain.config.inductor_options``).
     context: a factory of the context every layer call runs in (the SDPA backend priority): the recompute runs in
         the backward, outside the model's forward, and must pick the same kernels.
     recompute_layers: how many layers, the first ones, are recomputed (``engine.recompute_num_layers``); None:
@@ -117,7 +118,8 @@ class LayerRunner:
 
     def __init__(self, layers, prefix: str = "layers.", per_layer_dtype: torch.dtype | None = None,
                  main_grad: dict[str, torch.Tensor] | None = None, fused: list[str] | tuple = (),
-                 compile: bool = False, context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 compile: bool = False, compile_options: dict | None = None,
+                 context: Callable[[], contextlib.AbstractContextManager] | None = None,
                  recompute_layers: int | None = None):
         if per_layer_dtype is not None and main_grad is None:
             raise ValueError("per-layer working weights need the fp32 main_grad to write their gradients into")
@@ -134,7 +136,7 @@ class LayerRunner:
         for layer in self.layers:
             def fn(params, x, *args, _layer=layer):
                 return functional_call(_layer, params, (x, *args))
-            self._fns.append(torch.compile(fn) if compile else fn)
+            self._fns.append(torch.compile(fn, options=compile_options) if compile else fn)
 
     def begin_micro_batch(self, first: bool) -> None:
         """Called by the engine before each micro-batch: on the step's first, gradients overwrite ``main_grad``."""

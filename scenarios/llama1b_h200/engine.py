@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from forgetrain import memory
+from forgetrain.config import inductor_options
 from forgetrain.engine import StepResult
 from forgetrain.errors import ConfigError
 from forgetrain.schedule import lr_for_step
@@ -167,7 +168,7 @@ class Engine:
         self.model.layer_runner = recompute.LayerRunner(
             self.model.layers, per_layer_dtype=torch.bfloat16 if self.per_layer else None,
             main_grad=self.main_grad if self.per_layer else None, fused=self._fused,
-            compile=self.fast and self.opts.compile, context=context,
+            compile=self.fast and self.opts.compile, compile_options=inductor_options(self.opts), context=context,
             recompute_layers=self.opts.recompute_num_layers)
 
     @property

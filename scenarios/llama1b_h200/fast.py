@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forgetrain.config import inductor_options
 from scenarios.llama1b_h200 import wgrad
 from scenarios.llama1b_h200.wgrad import WGradAccum
 
@@ -138,16 +139,17 @@ def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
     return loss, g.to(logits.dtype)
 
 
-_ce_chunk_compiled = None
+_ce_chunk_compiled: dict = {}  # inductor options (as a sorted tuple) -> the compiled _ce_chunk
 
 
-def _ce_fn(device: torch.device):
-    global _ce_chunk_compiled
+def _ce_fn(device: torch.device, options: dict | None = None):
+    """``_ce_chunk``, compiled on CUDA with inductor ``options`` (``forgetrain.config.inductor_options``)."""
     if device.type != "cuda":
         return _ce_chunk
-    if _ce_chunk_compiled is None:
-        _ce_chunk_compiled = torch.compile(_ce_chunk, dynamic=False)
-    return _ce_chunk_compiled
+    key = tuple(sorted((options or {}).items()))
+    if key not in _ce_chunk_compiled:
+        _ce_chunk_compiled[key] = torch.compile(_ce_chunk, dynamic=False, options=options)
+    return _ce_chunk_compiled[key]
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -163,9 +165,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, w, labels, chunk: int, main_grad=None, acc: WGradAccum | None = None):
+    def forward(ctx, h, w, labels, chunk: int, main_grad=None, acc: WGradAccum | None = None,
+                options: dict | None = None):
         n = h.shape[0]
-        fn = _ce_fn(h.device)
+        fn = _ce_fn(h.device, options)
         dh = torch.empty_like(h)
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         dw = None
@@ -190,7 +193,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, dloss, _dlosses):
         dh, dw = ctx.saved_tensors
         dw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
-        return dh * dloss.to(dh.dtype), dw, None, None, None, None
+        return dh * dloss.to(dh.dtype), dw, None, None, None, None, None
 
 
 class FastLlama(nn.Module):
@@ -211,7 +214,7 @@ class FastLlama(nn.Module):
         self.main_grad: dict[str, torch.Tensor] = {}  # attach_main_grad: the weights fused into main_grad
         self.layer_runner = None  # set by the engine under engine.recompute=full (it compiles the layers itself)
         if engine_opts.compile and getattr(engine_opts, "recompute", "none") == "none":
-            self._blocks = [torch.compile(b) for b in self.layers]
+            self._blocks = [torch.compile(b, options=inductor_options(engine_opts)) for b in self.layers]
 
     def reset_parameters(self, generator):
         from scenarios._llama.model import megatron_init
@@ -268,7 +271,8 @@ class FastLlama(nn.Module):
         if mode == "chunked":
             mg = self.main_grad.get("output_layer.weight") if acc is not None else None
             loss, tok = _ChunkedLinearCE.apply(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
-                                               self.opts.ce_chunk_tokens, mg, acc if mg is not None else None)
+                                               self.opts.ce_chunk_tokens, mg, acc if mg is not None else None,
+                                               inductor_options(self.opts))
             return loss, tok.view(b, s)
         logits = wgrad.linear(h, self.output_layer.weight, self.main_grad.get("output_layer.weight"), acc).float()
         tok = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
