@@ -46,7 +46,6 @@ class DistEnv:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
-
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank: an all-reduce MAX of one int32 (on the current CUDA device under
         NCCL, on the CPU under gloo); ``flag`` itself for a single process. A collective: every rank calls it at
