@@ -54,7 +54,7 @@ def full_disk_line(e: OSError) -> str | None:
         return None
     where = f" writing {e.filename}" if e.filename else ""
     return (f"{e.strerror}{where}; the files written before it and the last checkpoint (if any) are intact: free "
-            f"space, then continue with train.resume=true")
+            f"space, then run the same command with train.resume=true")
 
 
 def print_error(message: str) -> None:

@@ -674,17 +674,45 @@ def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:
             _print_summary(summary)
     if env.rank == 0 and stop < t.steps and progress:  # a deliberate stop: say how to go on
         print(f"stopped after step {stop} of {t.steps} (train.stop_after={t.stop_after}); "
-              f"{_resume_hint(run.ckpt_root, out)}, keeping the other overrides", file=sys.stderr, flush=True)
+              f"{_resume_hint(run.ckpt_root, out)}", file=sys.stderr, flush=True)
     if run.wandb_logger:
         run.wandb_logger.finish()
 
 
 def _resume_hint(ckpt_root: Path, out: Path) -> str:
-    """Where a stopped run can continue from: the last checkpoint and the command, or that there is none."""
+    """Where a stopped run can continue from: the last checkpoint and the command (:func:`_resume_command`), or
+    that there is none."""
     last = checkpoint.latest(ckpt_root)
     if last is None:
         return "no checkpoint was written yet (train.save_interval), so there is nothing to resume: start again"
-    return f"last checkpoint: {last.name} (continue with train.resume=true train.out_dir={out})"
+    return f"last checkpoint: {last.name} (continue with: {_resume_command(out)})"
+
+
+def _resume_command(out: Path) -> str:
+    """The command that continues this run: under ``python -m forgetrain`` (or torchrun ``-m forgetrain``), this
+    process's launcher and its command-line overrides (Hydra's), each shell-quoted, less ``train.resume``,
+    ``train.out_dir``, ``train.overwrite`` and ``train.stop_after``, then ``train.resume=true
+    train.out_dir=<out>``: a resume with other settings re-times the schedule (the run's own ``train.steps``,
+    ``train.save_interval``, ... are part of it). Elsewhere (train() called from Python, another entry point)
+    the two keys alone."""
+    import shlex
+
+    keys = f"train.resume=true train.out_dir={shlex.quote(str(out))}"
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if main is None or main.name != "__main__.py" or main.parent.name != "forgetrain":
+        return keys
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = list(HydraConfig.get().overrides.task)
+    except Exception:  # noqa: BLE001 - not under Hydra
+        return keys
+    drop = ("train.resume=", "train.out_dir=", "train.overwrite=", "train.stop_after=")
+    kept = [shlex.quote(o) for o in task if not o.lstrip("+~").startswith(drop)]
+    n = os.environ.get("LOCAL_WORLD_SIZE")
+    launcher = f"torchrun --nproc-per-node {n} -m forgetrain" if n and "TORCHELASTIC_RUN_ID" in os.environ \
+        else "python -m forgetrain"
+    return " ".join([launcher, *kept, keys])
 
 
 def _print_summary(s: dict) -> None:

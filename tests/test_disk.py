@@ -166,7 +166,7 @@ def test_a_full_disk_anywhere_is_one_line(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     errs = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert errs == ["error: No space left on device writing /x/trace/.trace.jsonl.ab.tmp; the files written before "
-                    "it and the last checkpoint (if any) are intact: free space, then continue with "
+                    "it and the last checkpoint (if any) are intact: free space, then run the same command with "
                     "train.resume=true"], p.stderr
     from forgetrain.errors import full_disk_line
     import errno

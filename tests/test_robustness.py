@@ -144,7 +144,7 @@ def test_divergence_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=6, save_interval=2, sample_tokens=0,
                                                          eval_interval=0, out_dir=str(tmp_path / "run")))
     with pytest.raises(DivergenceError, match="loss is nan at step 3.*last checkpoint: step_000002 "
-                                              r"\(continue with train.resume=true"):
+                                              r"\(continue with: train.resume=true"):
         train(c, progress=False, engine_cls=DivergesAtStep3)
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000002"
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, save_interval=100, overwrite=True))

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,12 +65,17 @@ def test_resume_is_bitwise(tmp_path):
     p1 = run([*FAST, "train.digests=true", "train.stop_after=3", f"train.out_dir={part}"])
     assert p1.returncode == 0, p1.stderr[-2000:]
     assert len(records(part)) == 3
-    # the stop says how to go on: one line with the exact overrides that resume (it exited silently)
-    assert (f"stopped after step 3 of 6 (train.stop_after=3); last checkpoint: step_000003 (continue with "
-            f"train.resume=true train.out_dir={part})") in p1.stderr, p1.stderr[-2000:]
-    p2 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])
+    # the stop says how to go on: the whole command, with the run's own overrides (a resume given only
+    # train.resume and train.out_dir would re-time the schedule with the defaults' train.steps)
+    line = next(x for x in p1.stderr.splitlines() if x.startswith("stopped after step 3 of 6 (train.stop_after=3)"))
+    assert "last checkpoint: step_000003 (continue with: python -m forgetrain " in line, line
+    cmd = shlex.split(line.split("continue with: ", 1)[1].rstrip(")"))
+    assert cmd[:3] == ["python", "-m", "forgetrain"] and cmd[-2:] == ["train.resume=true", f"train.out_dir={part}"]
+    assert "train.stop_after=3" not in cmd and "train.steps=6" in cmd and "train.digests=true" in cmd, cmd
+    p2 = run(cmd[3:])  # the printed command, as printed
     assert p2.returncode == 0, p2.stderr[-2000:]
     assert "resumed from" in p2.stderr and "already complete" not in p2.stderr
+    assert "settings different from the checkpoint's" not in p2.stderr, p2.stderr[-2000:]
     assert numeric(records(part)) == numeric(records(full))
     p3 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])  # nothing left to do
     assert p3.returncode == 0 and "the run is already complete (train.steps=6)" in p3.stderr, p3.stderr[-2000:]
