@@ -685,39 +685,62 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
 
 def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
     """Time every side and report (rank 0): the tables, bench.json and, from ``record`` (the composed Hydra config),
-    .hydra/config.yaml beside it."""
-    from forgetrain.trace import atomic_write_json
-    from forgetrain.train import _out_dir, _record_config, versions
+    .hydra/config.yaml beside it. bench.json is written once the headline is timed (``"complete": false`` while
+    the one-micro-batch rows are still to come), then again whole: a run killed in between keeps its headline."""
+    from forgetrain.train import _out_dir
 
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
     mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
                               profile_dir=out if b.profile else None, side_recompute=b.side_recompute)
     single_cfg = single_micro_batch_config(rc)
+    wants_single = b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size
+    warning, rows = headline_warning(rc), None
+    if rank == 0:
+        if warning:
+            print(warning)
+        rows = _report("headline", rc, b, mode, times)
+        for name, info in times.get("_info", {}).items():
+            if info:
+                print(f"engine info {name}: {info}")
+        if wants_single:
+            _write_report(out, rc, b, mode, times, rows, warning, complete=False)
     single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
-    if b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size:
+    if wants_single:
         runnable = [s for s in b.against if s not in times.get("_unavailable", {})]  # not built twice to fail
         single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave, side_recompute=b.side_recompute)
     if rank != 0:
         return
-    warning = headline_warning(rc)
-    if warning:
-        print(warning)
-    rows = _report("headline", rc, b, mode, times)
-    for name, info in times.get("_info", {}).items():
-        if info:
-            print(f"engine info {name}: {info}")
     rows_single = _report("single micro-batch", single_cfg, b, *single) if single else None
     if b.single_micro_batch and not single:
         print("single micro-batch: the headline is one micro-batch per step already (not timed twice)")
     for name, prof in times.get("_profile", {}).items():
         print_profile(name, prof)
         print(f"wrote {out / f'profile_{name}.json'}", file=sys.stderr)
+    _write_report(out, rc, b, mode, times, rows, warning, complete=True,
+                  single_times=single[1] if single else None, rows_single=rows_single)
+    if record is not None:
+        from forgetrain.train import _record_config
+
+        _record_config(out, record, resume=False)
+    print(f"wrote {out / 'bench.json'}", file=sys.stderr)
+
+
+def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: dict, rows: list[dict],
+                  warning: Optional[str], complete: bool, single_times: Optional[dict] = None,
+                  rows_single: Optional[list[dict]] = None) -> None:
+    """``<out>/bench.json`` (atomically): the headline ``rows`` and ``times``, the one-micro-batch ``rows_single``
+    and ``single_times`` (None: not timed, or not yet when ``complete`` is false), what ran out of memory and why,
+    the sides that could not run, profiles, engine info, warnings, versions and the command line."""
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import versions
+
+    st = single_times or {}
     atomic_write_json(out / "bench.json", {"rows": rows, "rows_single_micro_batch": rows_single, "mode": mode,
+                                           "complete": complete,
                                            "oom": times.get("_oom", []),
-                                           "oom_single_micro_batch": single[1].get("_oom", []) if single else [],
+                                           "oom_single_micro_batch": st.get("_oom", []),
                                            "oom_reason": times.get("_oom_reason", {}),
-                                           "oom_reason_single_micro_batch":
-                                               single[1].get("_oom_reason", {}) if single else {},
+                                           "oom_reason_single_micro_batch": st.get("_oom_reason", {}),
                                            "unavailable": times.get("_unavailable", {}),
                                            "profile": times.get("_profile"),
                                            "engine_info": times.get("_info"),
@@ -727,9 +750,6 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
                                                        + ([warning] if warning else []),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
-    if record is not None:
-        _record_config(out, record, resume=False)
-    print(f"wrote {out / 'bench.json'}", file=sys.stderr)
 
 
 def main() -> None:

@@ -434,3 +434,37 @@ def test_sequential_blocks_release_pinned_host_memory(monkeypatch):
     assert bench.release_host_cache() and calls == [1]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not bench.release_host_cache() and calls == [1]  # no device: nothing to release, nothing raised
+
+
+def test_headline_is_on_disk_before_the_single_micro_batch_timing(tmp_path, monkeypatch):
+    """bench.json is written once the headline is timed (``complete`` false): a run killed while timing one
+    micro-batch per step keeps its headline; the finished run rewrites it whole (``complete`` true)."""
+    import dataclasses
+
+    from forgetrain import bench
+    from tests.test_ladder import _cfg
+
+    rc = _cfg()
+    rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, micro_batch_size=2, global_batch_size=8))
+    calls = []
+
+    def fake_timed_sides(cfg, against, steps, warmup, interleave="auto", **kw):
+        calls.append(cfg.train.global_batch_size)
+        if len(calls) == 2:  # the one-micro-batch timing: the run dies here
+            res = json.loads((tmp_path / "bench.json").read_text())
+            assert res["complete"] is False and res["rows_single_micro_batch"] is None
+            assert {r["side"] for r in res["rows"]} == {"forged", "megatron"}
+            raise KeyboardInterrupt
+        return "sequential A-B-A", {"forged": [1.0, 1.1], "megatron": [2.0, 2.2]}
+
+    monkeypatch.setattr(bench, "timed_sides", fake_timed_sides)
+    b = bench.BenchConfig(against=["megatron"], steps=2, warmup=0, out_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        bench._bench(rc, b, rank=0)
+    assert calls == [8, 2]
+    calls.clear()
+    monkeypatch.setattr(bench, "timed_sides", lambda cfg, *a, **kw: (
+        calls.append(cfg.train.global_batch_size) or ("sequential A-B-A", {"forged": [1.0], "megatron": [2.0]})))
+    bench._bench(rc, b, rank=0)
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["complete"] is True and [r["global_batch_size"] for r in res["rows_single_micro_batch"]] == [2, 2]
