@@ -5,7 +5,8 @@
 # profile showed why: the compiled block cloned the two mutated dx slices the packed backward passed to its kernel
 # and scattered them back (21 ms a step). The packed backward now has its own kernel writing dx whole.
 #   0. unless NOSEAL=1: validate + seal swiglu on CUDA (the kernel source changed; the registry that comes back,
-#      call19_registry.json, replaces forgetrain/kernels/registry.json);
+#      call19_registry.json, replaces forgetrain/kernels/registry.json; then add swiglu to CUDA_SEALED in
+#      tests/test_kernel_switches.py);
 #   1-3. the 8B proxy (llama8b_h100, 4 layers, seq 8192), micro-batch 1 x grad-accum 8, warm-up 2, median of 6,
 #      the forged engine alone: A the scenario default, B kernels.swiglu=triton (profiled unless NOPROF=1: the
 #      copy kernels around the SwiGLU backward should be gone), A again;
