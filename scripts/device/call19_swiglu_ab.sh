@@ -22,19 +22,7 @@ if [ -z "${NOSEAL:-}" ]; then
     --registry forgetrain/kernels/registry.json --json $OUT/call19_swiglu_seal.json 2>&1 | filt 4
   cp forgetrain/kernels/registry.json $OUT/call19_registry.json
 fi
-P="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
-train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
-i=0
-for arm in A B A; do
-  i=$((i+1))
-  sw=$([ $arm = B ] && echo "kernels.swiglu=triton kernels.allow_unsealed=${UNSEALED:-false} \
-bench.profile=$([ -z "${NOPROF:-}" ] && echo true || echo false)" || echo "")
-  echo "$(ts) == $i. forged alone, arm $arm ${sw:-(scenario default)} ($(left) s left)"
-  timeout $(( $(left) - 30 )) python3 -m forgetrain.bench $P $sw bench.out_dir=/tmp/b19_$i 2>&1 \
-    | grep -E "^forged |error|^  [a-zA-Z -]+ +[0-9.]+ ms"
-  cp /tmp/b19_$i/bench.json $OUT/call19_bench_${i}_$arm.json 2>/dev/null
-done
-tar czf $OUT/call19_profile_B.tgz -C /tmp/b19_2 profile_forged.json 2>/dev/null
+aba call19 "kernels.swiglu=triton kernels.allow_unsealed=${UNSEALED:-false}"
 if [ -z "${NOTOL:-}" ]; then
   echo "$(ts) == 4. tolerance: fast base + kernels.swiglu=triton vs Megatron-core ($(left) s left)"
   . scripts/device/shapes.sh

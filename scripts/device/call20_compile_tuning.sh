@@ -11,19 +11,7 @@
 #   run: bash scripts/device/call20_compile_tuning.sh   (carry [".whl"]; about 5 min)
 set -u
 . scripts/device/setup.sh
-P="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
-train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
-i=0
-for arm in A B A; do
-  i=$((i+1))
-  sw=$([ $arm = B ] && echo "engine.compile_tuning=coordinate_descent \
-bench.profile=$([ -z "${NOPROF:-}" ] && echo true || echo false)" || echo "")
-  echo "$(ts) == $i. forged alone, arm $arm ${sw:-(scenario default)} ($(left) s left)"
-  timeout $(( $(left) - 30 )) python3 -m forgetrain.bench $P $sw bench.out_dir=/tmp/b20_$i 2>&1 \
-    | grep -E "^forged |error|^  [a-zA-Z -]+ +[0-9.]+ ms"
-  cp /tmp/b20_$i/bench.json $OUT/call20_bench_${i}_$arm.json 2>/dev/null
-done
-tar czf $OUT/call20_profile_B.tgz -C /tmp/b20_2 profile_forged.json 2>/dev/null
+aba call20 "engine.compile_tuning=coordinate_descent"
 if [ -z "${NOTOL:-}" ]; then
   echo "$(ts) == 4. tolerance: fast base + engine.compile=true + compile_tuning vs Megatron-core ($(left) s left)"
   . scripts/device/shapes.sh

@@ -18,3 +18,21 @@ PY
 ts() { date +%H:%M:%S; }
 left() { echo $(( ${BUDGET:-585} - ($(date +%s) - T0) )); }
 filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
+# A-B-A of the forged engine alone on the 8B proxy (llama8b_h100, 4 layers, seq 8192) at GBS 8, micro-batch 1 x
+# grad-accum 8, warm-up 2, median of 6, headline only: `aba TAG "B overrides"` times A (the scenario default),
+# B (A plus the overrides; profiled unless NOPROF=1), A again; bench.json of each to $OUT/TAG_bench_<i>_<arm>.json,
+# B's profile to $OUT/TAG_profile_B.tgz.
+aba() {
+  local tag=$1 b=$2 i=0 arm sw
+  local p="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
+train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
+  for arm in A B A; do
+    i=$((i+1))
+    sw=$([ $arm = B ] && echo "$b bench.profile=$([ -z "${NOPROF:-}" ] && echo true || echo false)")
+    echo "$(ts) == $i. forged alone, arm $arm ${sw:-(scenario default)} ($(left) s left)"
+    timeout $(( $(left) - 30 )) python3 -m forgetrain.bench $p $sw bench.out_dir=/tmp/${tag}_$i 2>&1 \
+      | grep -E "^forged |error|^  [a-zA-Z -]+ +[0-9.]+ ms"
+    cp /tmp/${tag}_$i/bench.json $OUT/${tag}_bench_${i}_$arm.json 2>/dev/null
+  done
+  tar czf $OUT/${tag}_profile_B.tgz -C /tmp/${tag}_2 profile_forged.json 2>/dev/null
+}
