@@ -219,6 +219,7 @@ def check_out_dir(key: str, path) -> None:
     p = Path(path).absolute()
     while not p.exists():
         p = p.parent
+    _STOPS.add(str(p))  # the nearest directory that exists: a rejected run's cleanup stops below it
     if not p.is_dir():
         raise ConfigError(f"{key}={path} cannot be created: {p} is a file, not a directory")
     if not os.access(p, os.W_OK | os.X_OK):
@@ -326,15 +327,18 @@ def _remove_empty_run_dir() -> None:
     except Exception:  # noqa: BLE001 - not under Hydra
         return
     d = os.path.abspath(d) if d else None
-    cwd = os.path.abspath(os.getcwd())
+    below = [os.path.abspath(os.getcwd()), *_STOPS]
     first = True
-    while d and d not in _PREEXISTING and (first or d.startswith(cwd + os.sep)) and os.path.isdir(d) \
-            and not os.listdir(d):
-        os.rmdir(d)  # and the empty parents Hydra made for it (outputs/<scenario>/), up to the working directory
+    while d and d not in _PREEXISTING and d not in _STOPS \
+            and (first or any(d.startswith(b + os.sep) for b in below)) and os.path.isdir(d) and not os.listdir(d):
+        # and the empty parents Hydra made for it: outputs/<scenario>/ up to the working directory, or those of a
+        # given out_dir up to the nearest directory that existed before the command
+        os.rmdir(d)
         d, first = os.path.dirname(d), False
 
 
 _PREEXISTING: set[str] = set()  # output directories that existed before this command started
+_STOPS: set[str] = set()  # for each given output directory, its nearest ancestor that existed before the command
 
 
 def main() -> None:

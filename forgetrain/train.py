@@ -7,7 +7,6 @@ makes their traces comparable.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -198,6 +197,15 @@ def _lock_out_dir(out: Path, env: DistEnv):
     return fh
 
 
+def _missing_dirs(out: Path) -> list[Path]:
+    """``out`` and those of its parents that do not exist yet, innermost first."""
+    missing, d = [], out.absolute()
+    while not d.exists() and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    return missing
+
+
 def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     """Train ``cfg.scenario.name`` holding the output directory's lock; see :func:`_train` for the arguments, the
     outputs and the errors. A second run on a directory in use raises ConfigError. ``record``: the composed Hydra
@@ -207,7 +215,7 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     ref = kw.get("kind", "scenarios") != "scenarios"
     validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)
     out = Path(env.broadcast_object(str(_out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
-    existed = out.exists()
+    made = _missing_dirs(out)  # what the directory lock will create: removed again if the run writes nothing
     _check_disk(cfg, out, env, final_params=kw.get("final_params", True))
     lock = _lock_out_dir(out, env)
     try:
@@ -218,9 +226,11 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
         if lock is not None:
             (out / ".lock").unlink(missing_ok=True)
             lock.close()
-            if not existed:  # the lock made the directory: a run that wrote nothing leaves none behind
-                with contextlib.suppress(OSError):
-                    out.rmdir()
+            for d in made:  # the lock made these directories: a run that wrote nothing leaves none behind
+                try:
+                    d.rmdir()  # innermost first; a directory the run wrote into is not empty and stays
+                except OSError:
+                    break
 
 
 def _check_disk(cfg: RunConfig, out: Path, env: DistEnv, *, final_params: bool) -> None:
@@ -688,6 +698,20 @@ def _resume_hint(ckpt_root: Path, out: Path) -> str:
     return f"last checkpoint: {last.name} (continue with: {_resume_command(out)})"
 
 
+def _hydra_value(v: str) -> str:
+    """``v`` as a Hydra override value: as it is when it has only path-safe characters, else single-quoted, with a
+    quote escaped and the backslashes before a quote or at the end doubled (Hydra's override grammar: "Escaped
+    characters in quoted values", hydra.cc/docs/advanced/override_grammar/basic). The result still needs shell
+    quoting."""
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9_./:+@%-]+", v):
+        return v
+    esc = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", v)
+    esc = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, esc)
+    return f"'{esc}'"
+
+
 def _resume_command(out: Path) -> str:
     """The command that continues this run: under ``python -m forgetrain`` (or torchrun ``-m forgetrain``), this
     process's launcher and its command-line overrides (Hydra's), each shell-quoted, less ``train.resume``,
@@ -697,7 +721,7 @@ def _resume_command(out: Path) -> str:
     the two keys alone."""
     import shlex
 
-    keys = f"train.resume=true train.out_dir={shlex.quote(str(out))}"
+    keys = f"train.resume=true {shlex.quote('train.out_dir=' + _hydra_value(str(out)))}"
     main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
     if main is None or main.name != "__main__.py" or main.parent.name != "forgetrain":
         return keys

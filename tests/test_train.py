@@ -113,6 +113,27 @@ def test_resume_without_checkpoint_is_one_line_error(tmp_path):
     assert "train.overwrite=true" in p.stderr.strip().splitlines()[-1]  # the way out, not back to train.resume
 
 
+@pytest.mark.parametrize("path", ["/r/x,y", "/r/run(1)", "/r/k=v", "/r/it's", "/r/a b", "/r/back\\slash",
+                                  "/r/end\\", "/r/q\\'x", "/r/plain-dir_1.2"])
+def test_the_resume_command_quotes_out_dir_for_the_shell_and_hydra(path):
+    """The printed ``train.out_dir=`` token, split as a shell splits it and parsed as Hydra parses an override,
+    gives the directory back (Hydra reads ``,`` ``(`` ``=`` ``'`` and spaces as grammar)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from forgetrain.train import _resume_command
+
+    token = shlex.split(_resume_command(Path(path)))[-1]
+    assert OverridesParser.create().parse_override(token).value() == path
+
+
+def test_a_refused_resume_leaves_no_directory_it_made(tmp_path):
+    """The directory lock makes ``train.out_dir`` and its missing parents; a run refused before writing removes
+    them all, and none of the parents that existed before."""
+    p = run([*FAST, "train.resume=true", f"train.out_dir={tmp_path / 'a' / 'b' / 'c'}"])
+    assert p.returncode == 2 and "no complete checkpoint" in p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_resume_without_checkpoint_is_refused_before_the_data_and_engine(tmp_path, monkeypatch):
     """The refusal comes before :func:`forgetrain.train._setup` (data preparation, engine build) runs."""
     import forgetrain.train as train_mod
