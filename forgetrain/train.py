@@ -421,8 +421,7 @@ def _resume(run: _Run) -> None:
     up to it. Raises CheckpointError when there is none, or it lies past ``train.steps``, or it was trained with
     another global batch."""
     cfg, env, engine, t = run.cfg, run.env, run.engine, run.cfg.train
-    ckpt_root = run.ckpt_root
-    _check_resumable(ckpt_root)
+    ckpt_root = run.ckpt_root  # train() has checked it holds a checkpoint (_check_resumable)
     state, harness, last, skipped = checkpoint.load_newest_good(
         ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict(), share_pinned=True))
     for why in skipped:
