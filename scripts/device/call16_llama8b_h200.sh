@@ -41,6 +41,11 @@
 #           62.4-62.8%): FR=0.75 and FR=0.7 at GBS 32 (estimates 127.4 and 130.4 GiB; the measured peaks have run
 #           2.6 GiB above the estimate in the offload layouts), one per call:
 #           PART=f FR=0.75 GBS=32 NOVERIFY=1 EXTRA=bench.single_micro_batch=false bash scripts/device/call16_llama8b_h200.sh
+#           Sixth session (2026-12-03): F 0.75 at GBS 32 63.08%, peak 129.8 GiB; F 1.0 on the next lease 62.53%. Two
+#           leases, so next, one machine (about 7 min at GBS 8, where the offload is a quarter of the step):
+#           PART=f FR="1.0 0.75 1.0" NOVERIFY=1 EXTRA=bench.single_micro_batch=false bash scripts/device/call16_llama8b_h200.sh
+#           and the bitwise check at the fraction a new default would use (PART=f FR=0.75 VFR=0.75 would bench too;
+#           the check alone: PART=v VFR=0.75).
 #   PART=e and PART=f take GBS (default 8): at GBS 8 the offload's fixed cost per step (about 1.8 s of 7.3 s at F
 #           1.0, 2026-12-02) is a quarter of the step; GBS=32 NOVERIFY=1 PART=f shows it at a larger global batch.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
@@ -54,6 +59,14 @@ SMALL="model.num_layers=2 model.seq_length=2048 train.micro_batch_size=1 train.g
 train.lr_warmup_steps=2"
 GBS=${GBS:-8}   # PART=e and f: the global batch (micro-batch 1, so grad-accum GBS); the file names carry it unless 8
 G=$([ "$GBS" = 8 ] || echo "_gbs$GBS")
+verify_offload() {
+  VFR=${VFR:-1.0}  # the offload fraction the bitwise check runs (the file name carries it unless 1.0)
+  echo "$(ts) == exact mode, optimizer offload $VFR: bitwise vs Megatron-core ($(left) s left)"
+  timeout $(left) python3 -m forgetrain.verify $S $SMALL mode=exact \
+    train.deterministic=true tier=bitwise \
+    engine.optimizer_offload_fraction=$VFR verify.steps=6 verify.out_dir=/tmp/v16f 2>&1 | filt 6
+  cp /tmp/v16f/verdict.json $OUT/call16_exact_offload$([ "$VFR" = 1.0 ] || echo "_$VFR")_bitwise_verdict.json 2>/dev/null
+}
 case "${PART:-a}" in
 a)
   # A picks the checks (default all three; about 5-6 min each on the H200, so one per call for now)
@@ -112,19 +125,21 @@ e)
   done
   ;;
 f)
+  # FR may repeat a value (an A-B-A on one machine: FR="1.0 0.75 1.0"); then the files carry the run's index
+  i=0; n=$(echo ${FR:-1.0} | wc -w)
   for fr in ${FR:-1.0}; do
-    echo "$(ts) == bench: forged alone, engine.optimizer_offload_fraction=$fr, no recompute, GBS $GBS ($(left) s left)"
+    i=$((i+1)); ix=$([ "$n" = 1 ] || echo "_$i")
+    echo "$(ts) == $i. bench: forged alone, engine.optimizer_offload_fraction=$fr, no recompute, GBS $GBS ($(left) s left)"
     timeout $(left) python3 -m forgetrain.bench $S "bench.against=[]" bench.steps=3 bench.warmup=1 \
       engine.recompute=none engine.bf16_weights=resident engine.optimizer_offload_fraction=$fr \
-      train.global_batch_size=$GBS train.deterministic=false bench.out_dir=/tmp/b16f$fr ${EXTRA:-} 2>&1 | filt 12
-    cp /tmp/b16f$fr/bench.json $OUT/call16_bench_offload_${fr}$G.json 2>/dev/null
+      train.global_batch_size=$GBS train.deterministic=false bench.out_dir=/tmp/b16f$i ${EXTRA:-} 2>&1 | filt 12
+    cp /tmp/b16f$i/bench.json $OUT/call16_bench_offload_${fr}$G$ix.json 2>/dev/null
   done
   [ -n "${NOVERIFY:-}" ] && { echo "$(ts) done"; exit 0; }
-  echo "$(ts) == exact mode, optimizer offload 1.0: bitwise vs Megatron-core ($(left) s left)"
-  timeout $(left) python3 -m forgetrain.verify $S $SMALL mode=exact \
-    train.deterministic=true tier=bitwise \
-    engine.optimizer_offload_fraction=1.0 verify.steps=6 verify.out_dir=/tmp/v16f 2>&1 | filt 6
-  cp /tmp/v16f/verdict.json $OUT/call16_exact_offload_bitwise_verdict.json 2>/dev/null
+  verify_offload
+  ;;
+v)
+  verify_offload
   ;;
 esac
 echo "$(ts) done"
