@@ -170,6 +170,11 @@ class EngineOptions:
     # fast mode: weight-gradient GEMMs write/accumulate straight into the fp32 main_grad (Megatron's gradient
     # accumulation fusion); no bf16 .grad and no separate add per micro-batch. Tolerance tier (optimisations.yaml)
     grad_accum_fusion: bool = False
+    # fast mode: V is copied out of the fused QKV GEMM output, so the tensors a layer saves for its backward no longer
+    # keep that whole [tokens, (nq + 2 nkv) d] buffer alive through a view of V (q and k are RoPE's own outputs):
+    # (nq + nkv) d bf16 values less per token and stored layer, 2.5 GiB at Llama-3-8B's 32 layers x 8192 tokens,
+    # for one [tokens, nkv d] copy per layer. Tolerance tier (another V stride may pick another attention kernel)
+    free_qkv: bool = False
     # fast mode, kernels.adamw=triton, no ZeRO: the optimizer step as one pass: the grad norm stays on the device,
     # clipping is folded into the Triton AdamW kernel (no clip pass, no host sync before it) and the kernel writes
     # the bf16 model weights itself (no separate fp32 -> bf16 copy). Tolerance tier (optimisations.yaml)
@@ -473,6 +478,9 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.engine.compile_tuning != "none" and cfg.engine.mode != "fast":
         raise ConfigError(f"engine.compile_tuning={cfg.engine.compile_tuning} needs engine.mode=fast (exact mode "
                           f"compiles nothing); drop engine.compile_tuning")
+    if cfg.engine.free_qkv and cfg.engine.mode != "fast":
+        raise ConfigError("engine.free_qkv=true needs engine.mode=fast (exact mode's attention is Megatron's "
+                          "unfused one)" + preset("engine.free_qkv"))
     if cfg.engine.compile and cfg.engine.mode != "fast":
         raise ConfigError("engine.compile=true needs engine.mode=fast (exact mode runs Megatron's ops eagerly, "
                           "op by op)" + preset("engine.compile"))

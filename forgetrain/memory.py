@@ -23,7 +23,9 @@ adam_moments       8 * N / DP under ZeRO-1, else 8 * N (fp32 exp_avg and exp_avg
                    offloaded first): max(V*h, 2*f*h, (nq + 2*nkv)*d*h), the embedding and LM head, fc1 or QKV
 autograd_grads     a * N unfused (per_layer: a * (N - L*N_layer + N_layer)); with ``engine.grad_accum_fusion`` only the norm weights' a * (2L+1) * h
                    (plus the LM head's a * V * h under ``kernels.cross_entropy=triton``, which keeps it on autograd)
-activations        L * T * [a * (4h + 2*nq*d + 2*nkv*d + 3f) + 4*nq]  +  2 * a * T * h          (fast mode);
+activations        L * T * [a * (4h + 2*nq*d + nkv*d + v + 3f) + 4*nq]  +  2 * a * T * h        (fast mode);
+                   v = (nq + 2*nkv)*d, the whole QKV output that a view of V keeps alive, or nkv*d under
+                   ``engine.free_qkv`` (V copied out);
                    ``engine.recompute=full`` over R layers (``engine.recompute_num_layers``, default all L):
                    (L - R + [R > 0]) layers' term instead of L -- the stored layers and the one being
                    recomputed -- plus R * T * h * a (the recomputed layers' saved inputs)
@@ -32,10 +34,16 @@ workspace          1 GiB (:data:`WORKSPACE_BYTES`)
 =================  ===================================================================================
 
 *Activations* count the tensors ``FastBlock.forward`` saves for backward, per token: the input-norm input x and the
-normed x fed to the QKV GEMM (2h); SDPA's saved q, k, v and output (nq*d + 2*nkv*d + nq*d) and its fp32
-logsumexp (4*nq bytes); the pre-MLP-norm input and the normed x fed to fc1 (2h); fc1's output [gate; up] saved by
-SiLU*up (2f) and SwiGLU's output fed to fc2 (f). Outside the blocks: the final-norm input and the chunked CE's
-saved ``dh`` (2h). RoPE saves only its shared cos/sin tables. In exact mode (Megatron's unfused attention,
+normed x fed to the QKV GEMM (2h); SDPA's saved q and k (RoPE's outputs, nq*d + nkv*d), v, its output (nq*d) and its
+fp32 logsumexp (4*nq bytes), where v is a view into the fused QKV GEMM's output and so keeps all of it, (nq +
+2*nkv)*d, alive to the backward, unless ``engine.free_qkv`` copies V out (nkv*d); the pre-MLP-norm input and the
+normed x fed to fc1 (2h); fc1's output [gate; up] saved by SiLU*up (2f) and SwiGLU's output fed to fc2 (f). Outside
+the blocks: the final-norm input and the chunked CE's saved ``dh`` (2h). RoPE saves only its shared cos/sin tables.
+``tests/test_memory.py`` checks the per-layer term against the storages a compiled block saves on CPU;
+``scripts/device/saved_tensors.py`` does the same on a GPU. Before the term counted the whole QKV buffer, the H200
+peaks of ``llama8b_h200``'s offload layouts ran about 2.5 GiB above the estimate, which is that buffer's uncounted
+part for Llama-3-8B (32 layers x 8192 tokens x (nq + nkv)*d x 2 B).
+In exact mode (Megatron's unfused attention,
 ``scenarios/_llama/model.py``) K and V are repeated to nq heads before the bmm, so the per-token attention
 term is 4*nq*d, and each layer also saves the fp32 softmax and its compute-dtype copy: b * nq * s^2 * (4 + a).
 
@@ -128,6 +136,19 @@ class MemoryEstimate:
         return sorted(self.parts().items(), key=lambda kv: -kv[1])[:n]
 
 
+def layer_bytes_per_token(m, a: int, fast: bool, free_qkv: bool = False) -> int:
+    """Bytes one decoder layer saves for its backward per token (the activation term of :func:`estimate`, module
+    doc): ``m`` a ModelConfig (hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, head_dim), ``a``
+    the compute element's bytes. Fast mode: RoPE'd q and SDPA's output (nq*d each), RoPE'd k (nkv*d), V as a view
+    that keeps the whole QKV GEMM output ((nq + 2*nkv)*d) alive, or nkv*d under ``engine.free_qkv``, SDPA's fp32
+    logsumexp (4*nq bytes); exact mode: K and V repeated to nq heads (4*nq*d; its [s, s] softmax is per sequence
+    and counted by :func:`estimate`)."""
+    h, f, nq, nkv, d = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
+    v = nkv * d if free_qkv else (nq + 2 * nkv) * d
+    attn = 2 * nq * d + nkv * d + v if fast else 4 * nq * d
+    return a * (4 * h + attn + 3 * f) + (4 * nq if fast else 0)
+
+
 def estimate(cfg) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of one training step of ``cfg`` (a RunConfig) on one GPU; module doc for the
     formulas, their sources and what is not counted. Works for any config and device (pure arithmetic)."""
@@ -161,8 +182,7 @@ def estimate(cfg) -> MemoryEstimate:
         grads = a * (n - L * n_layer) + a * n_layer
     else:
         grads = a * n
-    attn = 2 * nq * d + 2 * nkv * d if fast else 4 * nq * d
-    per_token_layer = a * (4 * h + attn + 3 * f) + (4 * nq if fast else 0)
+    per_token_layer = layer_bytes_per_token(m, a, fast, getattr(e, "free_qkv", False))
     acts = live_layers * tokens * per_token_layer + 2 * a * tokens * h
     acts += recomputed * tokens * h * a  # each recomputed layer's saved input
     if not fast:
@@ -399,3 +419,29 @@ def _without_offload_hint(cfg, capacity: int) -> str:
             + " ".join(f"engine.{k}={v}" for k, v in
                        {"optimizer_offload_fraction": 0, **{k: v for k, v in lean.items() if v is not None}}.items())
             + ")")
+
+
+def saved_storages(fn, *args, exclude=(), **kwargs) -> tuple[object, list[dict]]:
+    """Run ``fn(*args, **kwargs)`` and record what autograd saves for its backward: the measured counterpart of
+    :func:`estimate`'s activation term (``scripts/device/saved_tensors.py`` on a GPU; ``tests/test_memory.py`` on
+    CPU). Returns (fn's output, rows), one row per distinct storage, largest first: ``{"bytes", "dtype",
+    "shapes"}``. A storage is counted whole and once, because a saved view keeps its whole base alive; storages of
+    the tensors in ``exclude`` (weights, main grads: counted by other parts) are left out. Uses
+    ``torch.autograd.graph.saved_tensors_hooks``, which also sees what a compiled graph saves."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, dict] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip:
+                row = seen.setdefault(st.data_ptr(), {"bytes": st.nbytes(), "dtype": str(t.dtype), "shapes": set()})
+                row["shapes"].add(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    rows = [{"bytes": r["bytes"], "dtype": r["dtype"], "shapes": sorted(r["shapes"])} for r in seen.values()]
+    return out, sorted(rows, key=lambda r: -r["bytes"])

@@ -60,10 +60,11 @@ def _sdpa_priority(backend: str, device):
 class FastBlock(nn.Module):
     """One transformer block, ``x [b, s, h] -> [b, s, h]``; parameter names match the exact model's Block."""
 
-    def __init__(self, cfg, kernels):
+    def __init__(self, cfg, kernels, free_qkv: bool = False):
         super().__init__()
         from scenarios._llama.model import RMSNorm
 
+        self.free_qkv = free_qkv  # engine.free_qkv: V copied out of the QKV output (see forward)
         self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
@@ -100,6 +101,8 @@ class FastBlock(nn.Module):
         mixed = self._linear(h, "attn.qkv", self.attn.qkv, acc).view(b, s, self.nkv, qpg + 2, self.d)
         q = mixed[:, :, :, :qpg].reshape(b, s, self.nq, self.d)
         k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]
+        if self.free_qkv:  # V saved for SDPA's backward as its own [b, s, nkv, d] tensor, not as a view that keeps
+            v = v.contiguous()  # the whole [b, s, (nq + 2 nkv) d] QKV output alive to the backward (q, k: RoPE copies)
         if k_.rope == "triton":
             from forgetrain.kernels import apply_rope
 
@@ -205,7 +208,8 @@ class FastLlama(nn.Module):
 
         self.cfg, self.kernels, self.opts = cfg, kernels, engine_opts
         self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=False)
-        self.layers = nn.ModuleList(FastBlock(cfg, kernels) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(FastBlock(cfg, kernels, getattr(engine_opts, "free_qkv", False))
+                                    for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size)
         self._rope: dict = {}
