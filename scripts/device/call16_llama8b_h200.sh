@@ -45,7 +45,9 @@
 #           leases, so next, one machine (about 7 min at GBS 8, where the offload is a quarter of the step):
 #           PART=f FR="1.0 0.75 1.0" NOVERIFY=1 EXTRA=bench.single_micro_batch=false bash scripts/device/call16_llama8b_h200.sh
 #           and the bitwise check at the fraction a new default would use (PART=f FR=0.75 VFR=0.75 would bench too;
-#           the check alone: PART=v VFR=0.75).
+#           the check alone: PART=v VFR=0.75). With engine.free_qkv (scripts/device/call21_free_qkv.sh first), F 0.65
+#           is estimated at 133.3 GiB: PART=f FR=0.65 GBS=32 NOVERIFY=1 EXTRA="bench.single_micro_batch=false
+#           engine.free_qkv=true"
 #   PART=e and PART=f take GBS (default 8): at GBS 8 the offload's fixed cost per step (about 1.8 s of 7.3 s at F
 #           1.0, 2026-12-02) is a quarter of the step; GBS=32 NOVERIFY=1 PART=f shows it at a larger global batch.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
