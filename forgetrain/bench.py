@@ -680,6 +680,10 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
     if "_forged_blocks" in times:
         a, c = times["_forged_blocks"]
         print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
+    from forgetrain.metrics import implausible_mfu
+
+    if rows and (warn := implausible_mfu(cfg.hardware, max(r["mfu_pct"] for r in rows))):
+        print(warn)
     return rows
 
 

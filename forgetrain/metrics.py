@@ -184,6 +184,30 @@ def peak_flops(hardware_cfg) -> tuple[float, str]:
     return p, label
 
 
+def implausible_mfu(hardware_cfg, mfu: float) -> str | None:
+    """A ``warning:`` line when ``mfu`` (%, PaLM's convention, the larger of the two) exceeds 100% against a
+    measured CPU peak (:func:`measured_cpu_peak_flops`), else None. The measured rate then beat the "peak": the peak
+    was measured while other work shared the cores, which the load-average check can miss (a 1-minute average lags
+    the load). The low value is dropped from this process and from the cache, so the next run measures it again.
+    A datasheet peak (``hardware.peak_tflops``) is never dropped."""
+    if hardware_cfg.peak_tflops or mfu <= 100.0:
+        return None
+    key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    peak = _RUN_PEAK.pop(key, None)
+    path = _cache_dir() / "cpu_peak.json"
+    try:
+        cache = json.loads(path.read_text())
+        if cache.pop(key, None) is not None:
+            from forgetrain.trace import atomic_write_json
+
+            atomic_write_json(path, cache)
+    except (OSError, ValueError):
+        pass
+    was = f" ({peak / 1e9:.1f} GFLOP/s)" if peak else ""
+    return (f"warning: MFU {mfu:.1f}% is above 100%: the CPU matmul peak{was} was measured while other work shared "
+            f"the cores; it is dropped from {path}, so the next run measures it again (on a quiet machine)")
+
+
 def _cuda_device_name() -> str | None:
     import torch
 

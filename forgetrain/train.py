@@ -563,7 +563,13 @@ def _loop(run: _Run, progress: bool) -> None:
                 bar.update(1)
             if wandb_logger:
                 wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
-            save_now = t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop)
+            # the first Ctrl-C: this step is finished, so it is saved (as Megatron's exit signal handler saves before it
+            # exits) and the run stops here. Every rank stops after the same step: the request is agreed over the ranks
+            # at each step boundary (under torchrun the signal reaches the workers one by one, and a rank already in
+            # the next step would wait on its peers' collectives); the save is collective, so it comes after
+            stopping = env.any_rank(ctrl_c.requested)
+            save_now = t.save and ((t.save_interval and (step + 1) % t.save_interval == 0) or step + 1 == stop
+                                   or stopping)
             if save_now:
                 if writer:
                     writer.flush()
@@ -580,10 +586,7 @@ def _loop(run: _Run, progress: bool) -> None:
                 checkpoint.prune(ckpt_root)
             elif writer and (step + 1) % 10 == 0:
                 writer.flush()
-            # the first Ctrl-C: this step is finished (and saved, when it was due), stop here. Every rank stops after
-            # the same step: the request is agreed over the ranks at each step boundary (under torchrun the signal
-            # reaches the workers one by one, and a rank already in the next step would wait on its peers' collectives)
-            if env.any_rank(ctrl_c.requested):
+            if stopping:
                 completed = step + 1
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -626,7 +629,8 @@ class _CtrlC:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        sys.stderr.write("\nCtrl-C: stopping when this step is finished; Ctrl-C again to stop now\n")
+        sys.stderr.write("\nCtrl-C: stopping when this step is finished (and checkpointed, under train.save=true); "
+                         "Ctrl-C again to stop now\n")
         sys.stderr.flush()
 
     def restore(self) -> None:
@@ -681,6 +685,10 @@ def _finish(run: _Run, *, final_params: bool, progress: bool) -> None:
             write_plots(recs, str(out / "loss.png"))
         if progress:
             _print_summary(summary)
+        from forgetrain.metrics import implausible_mfu
+
+        if recs and (warn := implausible_mfu(cfg.hardware, summary["median_mfu_pct"])):
+            print(warn, file=sys.stderr, flush=True)
     if env.rank == 0 and stop < t.steps and progress:  # a deliberate stop: say how to go on
         print(f"stopped after step {stop} of {t.steps} (train.stop_after={t.stop_after}); "
               f"{_resume_hint(run.ckpt_root, out)}", file=sys.stderr, flush=True)
@@ -693,7 +701,8 @@ def _resume_hint(ckpt_root: Path, out: Path) -> str:
     that there is none."""
     last = checkpoint.latest(ckpt_root)
     if last is None:
-        return "no checkpoint was written yet (train.save_interval), so there is nothing to resume: start again"
+        return ("no checkpoint was written yet (train.save_interval; none at all under train.save=false), so there is "
+                "nothing to resume: start again, the same command with train.overwrite=true")
     return f"last checkpoint: {last.name} (continue with: {_resume_command(out)})"
 
 

@@ -84,3 +84,27 @@ def test_peak_measured_under_load_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(metrics.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     label = metrics.peak_flops(cpu)[1]
     assert "load" not in label and (tmp_path / "cpu_peak.json").is_file(), label
+
+
+def test_mfu_above_100_drops_the_measured_cpu_peak(monkeypatch, tmp_path):
+    """An MFU above 100% against a measured CPU peak means the peak was measured while other work shared the
+    cores (a load average can miss it): one warning line, and the cached value is gone so the next run re-measures.
+    At or under 100%, or against a datasheet peak, nothing is said or dropped."""
+    import json
+
+    from forgetrain import metrics
+    from forgetrain.config import HardwareConfig
+
+    cpu = HardwareConfig()
+    monkeypatch.setenv("FORGETRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
+    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
+    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    peak = metrics.peak_flops(cpu)[0]
+    key = next(iter(json.loads((tmp_path / "cpu_peak.json").read_text())))
+    assert metrics.implausible_mfu(cpu, 99.9) is None
+    assert metrics.implausible_mfu(HardwareConfig(peak_tflops=989.4), 118.5) is None
+    assert key in json.loads((tmp_path / "cpu_peak.json").read_text())
+    warn = metrics.implausible_mfu(cpu, 118.5)
+    assert warn.startswith("warning: MFU 118.5% is above 100%") and f"{peak / 1e9:.1f} GFLOP/s" in warn, warn
+    assert key not in json.loads((tmp_path / "cpu_peak.json").read_text()) and not metrics._RUN_PEAK

@@ -152,6 +152,43 @@ def test_divergence_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
         train(c, progress=False, engine_cls=DivergesAtStep3)
 
 
+def test_ctrl_c_checkpoints_the_step_it_stops_after_and_resumes_from_it(tmp_path):
+    """A Ctrl-C between two due saves still leaves the step it stops after on disk (Megatron's exit signal handler
+    saves before exiting): nothing finished is lost, and the printed command resumes from that step. Under
+    train.save=false the hint says to start again with train.overwrite=true."""
+    import dataclasses
+    import signal
+
+    from forgetrain.errors import Interrupted
+    from forgetrain.train import train
+    from scenarios.llama_tiny_cpu.engine import Engine
+    from tests.test_ladder import _cfg
+
+    class CtrlCAtStep3(Engine):
+        def train_step(self, micro_batches):
+            res = super().train_step(micro_batches)
+            if self.completed_steps == 3:
+                signal.raise_signal(signal.SIGINT)  # the training loop's handler: a request, read at the boundary
+            return res
+
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        c = _cfg()
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, steps=6, save_interval=100, sample_tokens=0,
+                                                             eval_interval=0, out_dir=str(tmp_path / "run")))
+        with pytest.raises(Interrupted, match=r"after step 3 \(Ctrl-C\); last checkpoint: step_000003 "):
+            train(c, progress=False, engine_cls=CtrlCAtStep3)
+        assert len(records(tmp_path / "run")) == 3
+        train(dataclasses.replace(c, train=dataclasses.replace(c.train, resume=True)), progress=False)
+        assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, save=False, overwrite=True))
+        with pytest.raises(Interrupted, match="nothing to resume: start again, the same command with "
+                                              "train.overwrite=true"):
+            train(c, progress=False, engine_cls=CtrlCAtStep3)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
 def _module(mod: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", mod, *args], cwd=tmp_path, env=env, text=True,
@@ -233,7 +270,9 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
     stopped = int(last.split("after step ")[1].split()[0])
     named = last.split("last checkpoint: ")[1].split()[0]
     assert (out / "checkpoints" / named / ".metadata").exists()
-    assert len(records(out)) == stopped >= int(named.split("_")[1])  # the trace holds every finished step
+    # the step it stopped after is checkpointed (Megatron's exit signal handler saves too), whatever save_interval says
+    assert named == f"step_{stopped:06d}", (named, stopped)
+    assert len(records(out)) == stopped  # the trace holds every finished step
 
 
 def _worker_pid(launcher_pid: int, rank: int) -> int:
