@@ -65,6 +65,16 @@ def test_peak_label_names_a_different_device(monkeypatch):
     assert metrics.peak_flops(h100)[1] == "vs 989.4 TFLOP/s H100 SXM dense BF16 (datasheet)"
 
 
+def _fresh_peak(monkeypatch, tmp_path, load: float):
+    """A CPU peak cache in ``tmp_path``, nothing measured in this process yet, and the load average ``load``."""
+    from forgetrain import metrics
+
+    monkeypatch.setenv("FORGETRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
+    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
+    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (load, 0.0, 0.0))
+
+
 def test_peak_measured_under_load_says_so(monkeypatch, tmp_path):
     """A CPU peak measured while the load average exceeds the cores is used but not cached, and the MFU label
     says it is overstated; a quiet measurement is cached and labelled plainly."""
@@ -72,16 +82,11 @@ def test_peak_measured_under_load_says_so(monkeypatch, tmp_path):
     from forgetrain.config import HardwareConfig
 
     cpu = HardwareConfig()
-    monkeypatch.setenv("FORGETRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
-    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
-    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (99.0, 0.0, 0.0))
+    _fresh_peak(monkeypatch, tmp_path, 99.0)
     label = metrics.peak_flops(cpu)[1]
     assert "measured under load 99.0" in label and "overstated" in label, label
     assert not (tmp_path / "cpu_peak.json").exists()
-    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
-    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
-    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    _fresh_peak(monkeypatch, tmp_path, 0.0)
     label = metrics.peak_flops(cpu)[1]
     assert "load" not in label and (tmp_path / "cpu_peak.json").is_file(), label
 
@@ -96,10 +101,7 @@ def test_mfu_above_100_drops_the_measured_cpu_peak(monkeypatch, tmp_path):
     from forgetrain.config import HardwareConfig
 
     cpu = HardwareConfig()
-    monkeypatch.setenv("FORGETRAIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(metrics, "_RUN_PEAK", {})
-    monkeypatch.setattr(metrics, "_RUN_PEAK_LOAD", {})
-    monkeypatch.setattr(metrics.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    _fresh_peak(monkeypatch, tmp_path, 0.0)
     peak = metrics.peak_flops(cpu)[0]
     key = next(iter(json.loads((tmp_path / "cpu_peak.json").read_text())))
     assert metrics.implausible_mfu(cpu, 99.9) is None
