@@ -1,6 +1,6 @@
 """Benchmark a candidate kernel against the op it replaces and against ``torch.compile`` of that op.
 
-Method (per /work/shared/device/README.md and the device METHOD notes):
+Method (the GPU timing rules of docs/device.md):
 
 * CUDA events around every iteration, after ``warmup`` untimed iterations; the reported time is the median of
   ``repeats`` iterations. Before the timed loop a ``torch.cuda._sleep`` keeps the GPU busy while the host
@@ -12,8 +12,8 @@ Method (per /work/shared/device/README.md and the device METHOD notes):
   every differentiable input with random upstream gradients. Kernels without backward (AdamW) get ``fwd`` only,
   under ``no_grad``.
 * Throughput: bytes / time for memory-bound kernels against the measured ~4.3 TB/s device-to-device copy
-  ceiling, FLOPs / time for compute-bound ones against ~790 TFLOP/s (bf16 8192^3 matmul on the H200; the
-  shared device README measured 760-794). ``spec.cost`` gives bytes and FLOPs (the replaced op's useful work).
+  ceiling, FLOPs / time for compute-bound ones against ~790 TFLOP/s (bf16 8192^3 matmul on the H200, measured
+  at 760-794; docs/device.md, "Ceilings measured on the H200"). ``spec.cost`` gives bytes and FLOPs (the replaced op's useful work).
 * ``torch.compile(spec.reference)`` failures are caught and reported as ``{"error": ...}``.
 
 On a machine without CUDA, :func:`bench` raises :class:`BenchSkipped` unless ``allow_cpu=True`` (a slow dry run
@@ -33,9 +33,9 @@ from forgetrain.errors import ForgeTrainError
 from forgetrain.kernels.spec import KernelSpec, nbytes, tree_map
 
 CEILINGS = {
-    "memory_GBps": 4300.0,   # H200 device-to-device copy, /work/shared/device/README.md
+    "memory_GBps": 4300.0,   # H200 device-to-device copy (docs/device.md, "Ceilings measured on the H200")
     "compute_TFLOPs": 790.0,  # H200 bf16 8192^3 matmul, same source (760 median of 30, ~794 first products)
-    "source": "/work/shared/device/README.md (H200, measured 2026-11-29)",
+    "source": "docs/device.md (H200, measured 2026-11-29)",
 }
 
 
