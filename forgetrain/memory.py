@@ -303,7 +303,8 @@ def host_estimate(cfg) -> MemoryEstimate:
 
 def remedies(cfg, where: str = "device") -> list[str]:
     """The settings that would lower :func:`estimate` for ``cfg`` and are not in effect yet, in the order the
-    refusal names them: a smaller micro-batch, gradient accumulation fusion (fast mode), recompute (then per-layer
+    refusal names them: a smaller micro-batch, gradient accumulation fusion and the V copy (``engine.free_qkv``;
+    both fast mode), recompute (then per-layer
     bf16 weights, or fewer stored layers), the optimizer offload (only where the capacity is a GPU's: on the host
     it moves nothing), a shorter sequence, fewer layers."""
     e, t = cfg.engine, cfg.train
@@ -312,6 +313,8 @@ def remedies(cfg, where: str = "device") -> list[str]:
         out.append("lower train.micro_batch_size")
     if e.mode == "fast" and not e.grad_accum_fusion:
         out.append("set engine.grad_accum_fusion=true")
+    if e.mode == "fast" and not e.free_qkv:
+        out.append("set engine.free_qkv=true")
     if e.recompute != "full":
         out.append("set engine.recompute=full")
     elif e.recompute_num_layers is not None and e.recompute_num_layers < cfg.model.num_layers:
@@ -328,7 +331,7 @@ def remedies(cfg, where: str = "device") -> list[str]:
 
 def leanest(cfg, where: str = "device"):
     """``cfg`` with every layout remedy of :func:`remedies` in effect (micro-batch 1, gradient accumulation fusion
-    in fast mode, full recompute of every layer, per-layer bf16 weights where they can run
+    and the V copy in fast mode, full recompute of every layer, per-layer bf16 weights where they can run
     (:func:`forgetrain.config.per_layer_weights_possible`), the whole optimizer offloaded
     where the capacity is a GPU's): the smallest footprint without changing the model or the sequence."""
     from forgetrain.config import per_layer_weights_possible
@@ -336,6 +339,7 @@ def leanest(cfg, where: str = "device"):
     e, t = cfg.engine, cfg.train
     eng = replace(e, recompute="full", recompute_num_layers=None,
                   grad_accum_fusion=e.grad_accum_fusion or e.mode == "fast",
+                  free_qkv=e.free_qkv or e.mode == "fast",
                   bf16_weights="per_layer" if per_layer_weights_possible(cfg) else e.bf16_weights,
                   optimizer_offload_fraction=1.0 if where == "device" else e.optimizer_offload_fraction)
     return replace(cfg, engine=eng, train=replace(t, micro_batch_size=1))

@@ -37,17 +37,10 @@
 #           engine.optimizer_offload_fraction FR (default 1.0: estimate 112.4 GiB; FR=0.65: 133.3 GiB, a second
 #           call); then, unless NOVERIFY=1, exact mode with offload 1.0 at the bitwise tier vs Megatron-core at 2
 #           layers. Measured 2026-12-02: 420 s (the bench 240 s, the bitwise check 174 s).
-#           Next (issue 18, 2026-12-03 fifth session: 61.5-61.6% at F 1.0 on a lease 2% slower than the earlier
-#           62.4-62.8%): FR=0.75 and FR=0.7 at GBS 32 (estimates 127.4 and 130.4 GiB; the measured peaks have run
-#           2.6 GiB above the estimate in the offload layouts), one per call:
-#           PART=f FR=0.75 GBS=32 NOVERIFY=1 EXTRA=bench.single_micro_batch=false bash scripts/device/call16_llama8b_h200.sh
-#           Sixth session (2026-12-03): F 0.75 at GBS 32 63.08%, peak 129.8 GiB; F 1.0 on the next lease 62.53%. Two
-#           leases, so next, one machine (about 7 min at GBS 8, where the offload is a quarter of the step):
-#           PART=f FR="1.0 0.75 1.0" NOVERIFY=1 EXTRA=bench.single_micro_batch=false bash scripts/device/call16_llama8b_h200.sh
-#           and the bitwise check at the fraction a new default would use (PART=f FR=0.75 VFR=0.75 would bench too;
-#           the check alone: PART=v VFR=0.75). With engine.free_qkv (scripts/device/call21_free_qkv.sh first), F 0.65
-#           is estimated at 133.3 GiB: PART=f FR=0.65 GBS=32 NOVERIFY=1 EXTRA="bench.single_micro_batch=false
-#           engine.free_qkv=true"
+#           History (issue 18): F 1.0 61.5-62.8% at GBS 32 over six runs; F 0.75 63.08% (sixth session). Seventh
+#           session (2026-12-03), with engine.free_qkv: F 0.65 64.58% at GBS 32, peak 133.5 GiB; one machine at GBS
+#           8, FR="1.0 0.65 1.0": 0.65 6.4% faster; PART=v VFR=0.65 bitwise. The scenario default is F 0.65 with
+#           engine.free_qkv since then. Next: the 120-step real run at that default (PART=b, about 6 min).
 #   PART=e and PART=f take GBS (default 8): at GBS 8 the offload's fixed cost per step (about 1.8 s of 7.3 s at F
 #           1.0, 2026-12-02) is a quarter of the step; GBS=32 NOVERIFY=1 PART=f shows it at a larger global batch.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
