@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Device call 16 (one H200): the llama8b_h200 scenario (issue 18), full-depth Llama-3-8B on one GPU. Its default
-# (since 2026-12-02's second session) offloads the AdamW moments to host memory (engine.optimizer_offload_fraction
-# 1.0), stores every activation and keeps resident bf16 weights, with gradient accumulation fusion, at global batch
-# 32; DEV is its device-only layout (no offload, engine.recompute=full, engine.bf16_weights=per_layer), the
-# default before that. One part per call:
+# offloads AdamW moments to host memory (engine.optimizer_offload_fraction 1.0 from 2026-12-02's second session,
+# 0.65 with engine.free_qkv since 2026-12-03's seventh), stores every activation and keeps resident bf16 weights,
+# with gradient accumulation fusion, at global batch 32; DEV is its device-only layout (no offload,
+# engine.recompute=full, engine.bf16_weights=per_layer), the default before that. One part per call:
 #   PART=a  equivalence at a depth Megatron-core fits (8B width, 2 layers, seq 2048, micro-batch 1 x grad-accum 2):
 #           exact mode with the device-only layout (DEV) at the bitwise tier (deterministic), then the fast default
 #           (the offload layout since the second session) at the tolerance tier (stricter than every fast
@@ -40,7 +40,8 @@
 #           History (issue 18): F 1.0 61.5-62.8% at GBS 32 over six runs; F 0.75 63.08% (sixth session). Seventh
 #           session (2026-12-03), with engine.free_qkv: F 0.65 64.58% at GBS 32, peak 133.5 GiB; one machine at GBS
 #           8, FR="1.0 0.65 1.0": 0.65 6.4% faster; PART=v VFR=0.65 bitwise. The scenario default is F 0.65 with
-#           engine.free_qkv since then. Next: the 120-step real run at that default (PART=b, about 6 min).
+#           engine.free_qkv since then. Next, at that default: its tolerance at 2 layers (PART=a A=a3, about 4 min) and
+#           the 120-step real run (PART=b, about 6 min).
 #   PART=e and PART=f take GBS (default 8): at GBS 8 the offload's fixed cost per step (about 1.8 s of 7.3 s at F
 #           1.0, 2026-12-02) is a quarter of the step; GBS=32 NOVERIFY=1 PART=f shows it at a larger global batch.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
