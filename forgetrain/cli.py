@@ -106,11 +106,32 @@ def _compose(config_name: str, overrides: list[str], hydra_node: bool = False):
                     if not y.endswith("_schema"):
                         opts.append(y)
                 detail = x.rstrip(":") + ": " + ", ".join(opts)
+        unknown = _unknown_option(msg, detail)
+        if unknown:
+            raise ConfigError(unknown) from None
         bad = getattr(e.__cause__, "full_key", None) or getattr(e, "full_key", None)
         hint = _did_you_mean(config_name, overrides, bad) if bad and "not in" in f"{detail} {msg}" else None
         if hint:
             detail = f"{detail}; did you mean {hint}?" if detail else f"did you mean {hint}?"
         raise ConfigError(f"{msg}" + (f" ({detail})" if detail else "")) from None
+
+
+def _unknown_option(msg: str, detail: str | None) -> str | None:
+    """Hydra's "In 'verify': Could not find 'tier/bitwse'" with its "Available options in 'tier': ..." as one line
+    in the field's words, "unknown tier 'bitwse'; did you mean tier=bitwise? (known: bitwise, ...)", or None when
+    ``msg`` is another error."""
+    import difflib
+    import re
+
+    m = re.search(r"Could not find '([\w/]+)/([^']+)'", msg)
+    known = re.match(r"Available options in '[^']+': (.*)", detail or "")
+    if not (m and known):
+        return None
+    group, name = m.groups()
+    opts = [o.strip() for o in known.group(1).split(",") if o.strip()]
+    close = difflib.get_close_matches(name, opts, n=1)
+    hint = f"; did you mean {group}={close[0]}?" if close else ""
+    return f"unknown {group} '{name}'{hint} (known: {', '.join(opts)})"
 
 
 def _did_you_mean(config_name: str, overrides: list[str], bad: str) -> str | None:

@@ -89,7 +89,7 @@ CASES = [
     ("enum_logger_mode", T, [*M, "logger=wandb", "logger.mode=bogus"], "logger.mode", None),
     ("enum_report_loss", T, [*M, "parallel.report_loss=sum"], "parallel.report_loss must be", None),
     ("unknown_scenario", T, [*M, "scenario=nope"], "unknown scenario 'nope'", None),
-    ("unknown_group_option", T, [*M[1:], "model=nope"], "Could not find 'model/nope'", None),
+    ("unknown_group_option", T, [*M[1:], "model=nope"], "unknown model 'nope' (known: ", None),
     # inconsistent batch sizes and schedules
     ("batch_not_multiple", T, [*M, "train.global_batch_size=10"], "is not a multiple of", None),
     ("batch_below_micro", T, [*M, "train.global_batch_size=2"], "is not a multiple of", None),
@@ -139,7 +139,8 @@ CASES = [
     ("syntax_no_equals", T, [*M, "train.lr"], "Error parsing override 'train.lr'", None),
     ("syntax_bad_value", T, [*M, "train.lr=("], "Error parsing override", None),
     # verify and bench requests
-    ("verify_unknown_tier", V, [*M, "tier=nope"], "Could not find 'tier/nope'", None),
+    ("verify_unknown_tier", V, [*M, "tier=nope"],
+     "unknown tier 'nope' (known: bitwise, loss_curve, surpass, tolerance)", None),
     ("verify_unknown_reference", V, [*M, "verify.reference=nope"], "unknown reference 'nope'", None),
     ("verify_speed_baseline", V, [*M, "verify.reference=torch_compile"], "is a speed baseline for bench", None),
     ("verify_resume_at", V, [*M, "verify.resume_at=9", "verify.steps=4"], "verify.resume_at=9 must lie in", None),
