@@ -455,6 +455,13 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
         if getattr(cfg.kernels, sw.name) not in sw.names:
             raise ConfigError(f"kernels.{sw.name} must be one of {'|'.join(sw.names)}, "
                               f"got '{getattr(cfg.kernels, sw.name)}'")
+    for sw in switches.SWITCHES:  # a value that switches a part of another switch's value needs that value
+        val = getattr(cfg.kernels, sw.name)
+        for other, want in sw.required(val).items():
+            if getattr(cfg.kernels, other) != want:
+                raise ConfigError(f"kernels.{sw.name}={val} needs kernels.{other}={want} (it replaces a part of "
+                                  f"that path), got kernels.{other}={getattr(cfg.kernels, other)}; set "
+                                  f"kernels.{other}={want} or kernels.{sw.name}={sw.default}")
     if cfg.engine.mode not in ("exact", "fast"):
         raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
     def preset(key: str) -> str:

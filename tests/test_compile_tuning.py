@@ -68,6 +68,7 @@ def test_every_compile_site_gets_the_options(compiled, monkeypatch, recompute):
     assert compiled[n_layers:] == [(fast._ce_chunk, want), (fast._ce_chunk, None)] and f0 is fast._ce_chunk
     # the model's chunked CE hands the engine's options to it
     seen = []
-    monkeypatch.setattr(fast, "_ce_fn", lambda device, options=None: seen.append(options) or fast._ce_chunk)
+    monkeypatch.setattr(fast, "_ce_fn",
+                        lambda device, options=None, kernel="torch": seen.append(options) or fast._ce_chunk)
     eng.train_step([torch.randint(0, eng.model.cfg.vocab_size, (2, 33)) for _ in range(2)])
     assert seen and all(o == want for o in seen)

@@ -119,12 +119,13 @@ def _switch(kernel: str):
 
 
 def e2e_config(rc: RunConfig, kernel: str, opts: ForgeOptions) -> RunConfig:
-    """The scenario run of gate 3: every switch at its default but this kernel's forged value (unsealed allowed:
+    """The scenario run of gate 3: every switch at its default but this kernel's forged value and the values it
+    needs (``Switch.needs``, e.g. ``kernels.cross_entropy=chunked`` for ``kernels.ce_chunk``; unsealed allowed:
     the forge judges the candidate itself), ``forge.verify_steps`` steps. ConfigError when the scenario's engine
     does not honour the switch."""
     sw, val = _switch(kernel)
     c = dataclasses.replace(
-        rc, kernels=KernelsConfig(**{sw.name: val.name}, allow_unsealed=True),
+        rc, kernels=KernelsConfig(**sw.required(val.name), **{sw.name: val.name}, allow_unsealed=True),
         train=dataclasses.replace(rc.train, steps=opts.verify_steps, lr_decay_steps=None, out_dir=None,
                                   lr_warmup_steps=max(0, min(rc.train.lr_warmup_steps, opts.verify_steps - 1)),
                                   sample_tokens=0, resume=False, stop_after=None))

@@ -10,6 +10,9 @@ Functional APIs (stable; forged engines switch them per op, e.g. ``kernels.rmsno
   ``rope_tables(seq_len, head_dim, base)`` builds the tables (:mod:`.rope`).
 * ``fused_linear_cross_entropy(hidden [N, h], weight [V, h], labels [N] int64, chunk_size=2048,
   ignore_index=-100) -> loss [N] fp32`` -- LM head + per-token CE without [N, V] logits (:mod:`.cross_entropy`).
+* ``ce_chunk(logits [n, V], labels [n] int64, inv_n) -> (loss [n] fp32, dlogits [n, V])`` -- one chunk's
+  cross-entropy and ``(softmax - onehot) * inv_n`` in two passes over the logits, for the chunked LM head
+  (``kernels.ce_chunk=triton`` with ``kernels.cross_entropy=chunked``; no autograd) (:mod:`.ce_chunk`).
 * ``adamw_step(params, grads, exp_avgs, exp_avg_sqs, main_params=None, *, step, lr, beta1, beta2, eps, wd)``
   -- multi-tensor AdamW, fp32 main weights copied back to the model dtype (:mod:`.adamw`).
 

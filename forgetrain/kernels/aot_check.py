@@ -22,8 +22,8 @@ def _cases():
     from forgetrain.kernels import module_of
     from forgetrain.kernels._triton import tl
 
-    rmsnorm, swiglu, rope, cross_entropy, adamw = (module_of(n) for n in
-                                                   ("rmsnorm", "swiglu", "rope", "cross_entropy", "adamw"))
+    rmsnorm, swiglu, rope, cross_entropy, ce_chunk, adamw = (
+        module_of(n) for n in ("rmsnorm", "swiglu", "rope", "cross_entropy", "ce_chunk", "adamw"))
 
     p16, p32, p64, i32, f32 = "*bf16", "*fp32", "*i64", "i32", "fp32"
     rms_f = dict(X=p16, R=p16, W=p16, Y=p16, S=p16, RSTD=p32, stride_x=i32, stride_r=i32, stride_y=i32,
@@ -42,6 +42,7 @@ def _cases():
                 ignore_index=i32, FIRST="constexpr", BLOCK_V="constexpr")
     ce_b = dict(LOGITS=p32, LSE=p32, LABELS=p64, DLOSS=p32, DZ=p16, stride_l=i32, stride_dz=i32, stride_dloss=i32,
                 v_start=i32, VC=i32, ignore_index=i32, BLOCK="constexpr")
+    cc = dict(Z=p16, LABELS=p64, LOSS=p32, DZ=p16, stride_z=i32, stride_dz=i32, V=i32, inv_n=f32, BLOCK="constexpr")
     ad = dict(TABLE=p64, BLOCKS=p64, decay=f32, w1=f32, b2=f32, omb2=f32, step_size_neg=f32, bc2_sqrt=f32, eps=f32,
               P_DT="constexpr", G_DT="constexpr", HAS_MAIN="constexpr", LERP_SMALL="constexpr",
               ALIGN_HINT="constexpr", BLOCK="constexpr")
@@ -58,6 +59,10 @@ def _cases():
         ("cross_entropy.fwd first", cross_entropy._ce_fwd_kernel, ce_f, dict(FIRST=True, BLOCK_V=4096), 8),
         ("cross_entropy.fwd", cross_entropy._ce_fwd_kernel, ce_f, dict(FIRST=False, BLOCK_V=4096), 8),
         ("cross_entropy.bwd", cross_entropy._ce_bwd_kernel, ce_b, dict(BLOCK=2048), 8),
+        ("ce_chunk V=128256 bf16", ce_chunk._ce_chunk_kernel, cc, dict(BLOCK=ce_chunk.MAX_BLOCK),
+         ce_chunk._num_warps(ce_chunk.MAX_BLOCK)),
+        ("ce_chunk fp32", ce_chunk._ce_chunk_kernel, {**cc, "Z": p32, "DZ": p32}, dict(BLOCK=ce_chunk.MAX_BLOCK),
+         ce_chunk._num_warps(ce_chunk.MAX_BLOCK)),
         ("adamw hint", adamw._adamw_kernel, ad, {**ad_c, "ALIGN_HINT": True}, 8),
         ("adamw no-hint bf16 grads", adamw._adamw_kernel, ad,
          {**ad_c, "ALIGN_HINT": False, "G_DT": tl.bfloat16, "LERP_SMALL": False}, 8),

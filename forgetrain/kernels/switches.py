@@ -48,13 +48,21 @@ class Value:
 @dataclasses.dataclass(frozen=True)
 class Switch:
     """``kernels.<name>``. ``kernel``: the module under :mod:`forgetrain.kernels` holding the forged kernel (None:
-    the switch has no forged value); ``api``: that module's public functions, the first one being the kernel."""
+    the switch has no forged value); ``api``: that module's public functions, the first one being the kernel;
+    ``needs``: ``((switch, value), ...)`` that every non-default value of this switch requires (it switches a
+    part of that value's code path; :func:`forgetrain.config.validate` refuses it otherwise)."""
 
     name: str
     default: str
     values: tuple
     kernel: str | None = None
     api: tuple = ()
+    needs: tuple = ()
+
+    def required(self, value: str) -> dict:
+        """``{switch: value}`` that setting this switch to ``value`` needs (``needs``, for every non-default value:
+        e.g. ``kernels.ce_chunk=triton`` replaces a part of ``kernels.cross_entropy=chunked``)."""
+        return {} if value == self.default else dict(self.needs)
 
     def value(self, name: str) -> Value | None:
         return next((v for v in self.values if v.name == name), None)
@@ -75,6 +83,10 @@ SWITCHES: tuple[Switch, ...] = (
         Value("torch", "bitwise", "full logits, then cross-entropy"),
         Value("chunked", "tolerance", "LM head + cross-entropy per token chunk (logsumexp form; dW per chunk)"),
         _TRITON), "cross_entropy", ("fused_linear_cross_entropy",)),
+    Switch("ce_chunk", "torch", (
+        Value("torch", "bitwise", "the chunked LM head's per-chunk cross-entropy as torch ops (compiled by inductor "
+                                  "on CUDA)"),
+        _TRITON), "ce_chunk", ("ce_chunk",), needs=(("cross_entropy", "chunked"),)),
     Switch("adamw", "torch", (
         Value("torch", "bitwise", "torch's foreach (CUDA) / single-tensor (CPU) AdamW"),
         Value("fused", "tolerance", "torch's fused AdamW kernel (its own FMA order)"),
@@ -97,12 +109,13 @@ def kernels() -> tuple[str, ...]:
 
 
 def matrix(engine_cls=None, mode: str = "fast", device: str = "cpu") -> list[tuple[str, dict, str]]:
-    """Every non-default value of every switch, alone: ``[(case name, {switch: value}, declared tier)]``; with
-    ``engine_cls``, only the values it honours in ``mode`` on ``device``. The switch-matrix tests parametrize over
-    this, so a new switch or value is tested without editing them."""
+    """Every non-default value of every switch, alone but for the values it needs (:attr:`Switch.needs`):
+    ``[(case name, {switch: value, **needed}, declared tier)]``; with ``engine_cls``, only the values it honours
+    in ``mode`` on ``device``. The switch-matrix tests parametrize over this, so a new switch or value is tested
+    without editing them."""
     ok = honoured(engine_cls, mode, device) if engine_cls is not None else None
-    return [(f"{v.name}_{s.name}", {s.name: v.name}, v.tier) for s in SWITCHES for v in s.values
-            if v.name != s.default and (ok is None or v.name in ok.get(s.name, ()))]
+    return [(f"{v.name}_{s.name}", {**s.required(v.name), s.name: v.name}, v.tier) for s in SWITCHES
+            for v in s.values if v.name != s.default and (ok is None or v.name in ok.get(s.name, ()))]
 
 
 def tier_of(kernels: dict) -> list[str]:

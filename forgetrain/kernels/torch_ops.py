@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.optim.adamw import adamw as _torch_adamw
 
-__all__ = ["rmsnorm_residual", "swiglu", "apply_rope", "rotate_half", "fused_linear_cross_entropy", "adamw_step"]
+__all__ = ["rmsnorm_residual", "swiglu", "apply_rope", "rotate_half", "fused_linear_cross_entropy", "ce_chunk",
+           "adamw_step"]
 
 
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -46,6 +47,25 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     ``chunk_size`` is accepted for signature compatibility and ignored (the full logits exist here)."""
     del chunk_size
     return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="none", ignore_index=ignore_index)
+
+
+def ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float,
+             block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of Megatron-form cross-entropy, as the fast Hopper engine runs it (compiled by inductor on CUDA;
+    ``scenarios/llama1b_h200/fast.py`` calls this function): logits ``[n, V]`` (bf16/fp32), labels ``[n]`` int64
+    (all valid, no ignore_index) -> (loss ``[n]`` fp32, dlogits ``[n, V]`` in the logits' dtype =
+    ``(softmax - onehot) * inv_n``), in fp32 with the max-shifted log-sum-exp (Blanchard, Higham & Higham 2021).
+    ``block`` (the Triton kernel's tile width) is accepted for signature compatibility and ignored."""
+    del block
+    z = logits.float()
+    zmax = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - zmax)
+    sumexp = e.sum(dim=-1, keepdim=True)
+    target = torch.gather(z, 1, labels[:, None])
+    loss = (torch.log(sumexp) + zmax - target).squeeze(1)
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]
+    g = (e / sumexp - onehot.to(z.dtype)) * inv_n
+    return loss, g.to(logits.dtype)
 
 
 def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, main_params: list | None = None,

@@ -66,7 +66,7 @@ class Engine:
     # Exact mode keeps Megatron's ops (only the optimizer step is switchable); torch's fused AdamW runs on CUDA only.
     kernel_switches = {
         "fast": {"rmsnorm": ("triton",), "swiglu": ("triton",), "rope": ("triton",),
-                 "cross_entropy": ("chunked", "triton"), "adamw": ("triton",)},
+                 "cross_entropy": ("chunked", "triton"), "ce_chunk": ("triton",), "adamw": ("triton",)},
         "fast/cuda": {"adamw": ("fused",)},
         "exact": {"adamw": ("triton",)},
         "exact/cuda": {"adamw": ("fused",)},

@@ -9,6 +9,8 @@ departure from the exact path changes reduction order, so this model targets the
 * ``F.linear`` everywhere (cuBLAS picks its own algorithm per shape);
 * cross-entropy fused with the LM head and chunked over tokens (``kernels.cross_entropy=chunked|triton``):
   the ``[tokens, vocab]`` logits never exist whole, and the backward of each chunk is computed in the forward;
+  with ``chunked``, ``kernels.ce_chunk=triton`` computes each chunk's loss and d(logits) with the forged kernel
+  ``forgetrain.kernels.ce_chunk`` instead of the compiled torch ops;
 * with ``engine.grad_accum_fusion`` the weight gradients of the linear layers, the LM head and the embedding go
   straight into the engine's fp32 ``main_grad`` (``wgrad.py``; tolerance tier).
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forgetrain.config import inductor_options
+from forgetrain.kernels import torch_ops
 from scenarios.llama1b_h200 import wgrad
 from scenarios.llama1b_h200.wgrad import WGradAccum
 
@@ -128,25 +131,19 @@ class FastBlock(nn.Module):
         return x + self._linear(act, "mlp.fc2", self.mlp.fc2, acc)
 
 
-def _ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float):
-    """One chunk of Megatron-form cross-entropy: logits ``[n, V]`` (bf16/fp32) -> (loss ``[n]`` fp32,
-    dlogits ``[n, V]`` in the logits' dtype = (softmax - onehot) * inv_n). Compiled on CUDA into fused kernels."""
-    z = logits.float()
-    zmax = z.amax(dim=-1, keepdim=True)
-    e = torch.exp(z - zmax)
-    sumexp = e.sum(dim=-1, keepdim=True)
-    target = torch.gather(z, 1, labels[:, None])
-    loss = (torch.log(sumexp) + zmax - target).squeeze(1)
-    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]
-    g = (e / sumexp - onehot.to(z.dtype)) * inv_n
-    return loss, g.to(logits.dtype)
-
-
+_ce_chunk = torch_ops.ce_chunk  # one chunk's loss and (softmax - onehot) * inv_n; the math is defined there
 _ce_chunk_compiled: dict = {}  # inductor options (as a sorted tuple) -> the compiled _ce_chunk
 
 
-def _ce_fn(device: torch.device, options: dict | None = None):
-    """``_ce_chunk``, compiled on CUDA with inductor ``options`` (``forgetrain.config.inductor_options``)."""
+def _ce_fn(device: torch.device, options: dict | None = None, kernel: str = "torch"):
+    """The per-chunk cross-entropy ``(logits [n, V], labels [n], inv_n) -> (loss [n] fp32, dlogits [n, V])``:
+    the forged Triton kernel ``forgetrain.kernels.ce_chunk`` for ``kernel="triton"`` (``kernels.ce_chunk``; on
+    CPU under Triton's interpreter), else ``_ce_chunk`` (``torch_ops.ce_chunk``), compiled on CUDA with inductor
+    ``options`` (``forgetrain.config.inductor_options``)."""
+    if kernel == "triton":
+        from forgetrain.kernels import ce_chunk
+
+        return ce_chunk
     if device.type != "cuda":
         return _ce_chunk
     key = tuple(sorted((options or {}).items()))
@@ -164,14 +161,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
     With ``main_grad`` (fp32 ``[V, h]``) and ``acc`` (gradient accumulation fusion) each chunk's dW GEMM goes
     straight into ``main_grad`` instead, scaled by ``acc.scale`` -- which must be the ``dloss`` the backward will
     receive (``train_step``'s ``1 / n``): dW is formed before ``dloss`` exists -- and ``w`` gets no gradient.
+    ``ce_kernel`` (``kernels.ce_chunk``) picks the per-chunk cross-entropy (:func:`_ce_fn`).
     Returns (mean loss, per-token loss [N] fp32 detached). Formula: Megatron's max-shifted CE.
     """
 
     @staticmethod
     def forward(ctx, h, w, labels, chunk: int, main_grad=None, acc: WGradAccum | None = None,
-                options: dict | None = None):
+                options: dict | None = None, ce_kernel: str = "torch"):
         n = h.shape[0]
-        fn = _ce_fn(h.device, options)
+        fn = _ce_fn(h.device, options, ce_kernel)
         dh = torch.empty_like(h)
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         dw = None
@@ -196,7 +194,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, dloss, _dlosses):
         dh, dw = ctx.saved_tensors
         dw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
-        return dh * dloss.to(dh.dtype), dw, None, None, None, None, None
+        return dh * dloss.to(dh.dtype), dw, None, None, None, None, None, None
 
 
 class FastLlama(nn.Module):
@@ -276,7 +274,7 @@ class FastLlama(nn.Module):
             mg = self.main_grad.get("output_layer.weight") if acc is not None else None
             loss, tok = _ChunkedLinearCE.apply(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
                                                self.opts.ce_chunk_tokens, mg, acc if mg is not None else None,
-                                               inductor_options(self.opts))
+                                               inductor_options(self.opts), self.kernels.ce_chunk)
             return loss, tok.view(b, s)
         logits = wgrad.linear(h, self.output_layer.weight, self.main_grad.get("output_layer.weight"), acc).float()
         tok = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
