@@ -35,7 +35,7 @@ class, as in the replaced op.
 
 Validation (:data:`SPEC`): bf16 logits, the engine's dtype on the GPU; fp32 logits (the CPU engine tests in fp32)
 run the same code and are judged end to end only (tests/test_fast_tiers.py), see the ``ce_chunk`` entry of
-``tolerances.yaml`` for why, and for the slack its per-row fp32 loss needs on the small grid.
+``tolerances.yaml`` for why, and for the floor of a few fp32 ulps its per-row loss gets on the small grid.
 
 Errors: ``ce_chunk`` raises ValueError for logits that are not a 2-D floating point tensor, labels that are not an
 integer ``[n]`` tensor, ``V == 0``, a ``block`` that is not a power of two, and tensors on different or unsupported

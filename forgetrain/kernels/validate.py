@@ -52,9 +52,9 @@ class Tolerances:
     abs_floor_u: dict
     signed_mean_se: float
     per_kernel: dict
+    per_tensor: dict = dataclasses.field(default_factory=dict)  # output name -> overrides (for_kernel sets it)
 
-    def for_kernel(self, name: str) -> "Tolerances":
-        o = self.per_kernel.get(name) or {}
+    def _with(self, o: dict) -> "Tolerances":
         return dataclasses.replace(
             self,
             rel_floor=float(o.get("rel_floor", self.rel_floor)),
@@ -62,6 +62,16 @@ class Tolerances:
             abs_floor_u={**self.abs_floor_u, **(o.get("abs_floor_u") or {})},
             signed_mean_se=float(o.get("signed_mean_se", self.signed_mean_se)),
         )
+
+    def for_kernel(self, name: str) -> "Tolerances":
+        """The criteria of kernel ``name``: ``per_kernel.<name>`` over the defaults; its ``tensors`` map (output
+        name -> the same keys) is kept for :meth:`for_tensor`."""
+        o = self.per_kernel.get(name) or {}
+        return dataclasses.replace(self._with(o), per_tensor=o.get("tensors") or {})
+
+    def for_tensor(self, name: str) -> "Tolerances":
+        """The criteria of one output ``name`` of the kernel chosen by :meth:`for_kernel`."""
+        return self._with(self.per_tensor.get(name) or {})
 
 
 def load_tolerances(path: str | os.PathLike | None = None) -> Tolerances:
@@ -403,10 +413,11 @@ def _validate_case(spec, device, shape, dtype, case_seed, tol, poisoned) -> Case
             continue
         cf, rf, of = flat(c), flat(r), flat(o)
         out_dtype = c_list[0].dtype if c_list[0].dtype != torch.float64 else torch.float32
-        cs = error_stats(cf, of, tol.rel_floor)
-        rs = error_stats(rf, of, tol.rel_floor)
+        tt = tol.for_tensor(name)
+        cs = error_stats(cf, of, tt.rel_floor)
+        rs = error_stats(rf, of, tt.rel_floor)
         u = unit_roundoff(out_dtype)
-        failed, allowed = judge(cs, rs, u, tol)
+        failed, allowed = judge(cs, rs, u, tt)
         same = (cf == rf) | (cf.isnan() & rf.isnan())
         bitwise_frac = float(same.double().mean()) if cf.numel() else 1.0
         if spec.bitwise:
