@@ -304,9 +304,8 @@ def host_estimate(cfg) -> MemoryEstimate:
 def remedies(cfg, where: str = "device") -> list[str]:
     """The settings that would lower :func:`estimate` for ``cfg`` and are not in effect yet, in the order the
     refusal names them: a smaller micro-batch, gradient accumulation fusion and the V copy (``engine.free_qkv``;
-    both fast mode), recompute (then per-layer
-    bf16 weights, or fewer stored layers), the optimizer offload (only where the capacity is a GPU's: on the host
-    it moves nothing), a shorter sequence, fewer layers."""
+    both fast mode), recompute (then per-layer bf16 weights, or fewer stored layers), the optimizer offload (only
+    where the capacity is a GPU's: on the host it moves nothing), a shorter sequence, fewer layers."""
     e, t = cfg.engine, cfg.train
     out = []
     if t.micro_batch_size > 1:
