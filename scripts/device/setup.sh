@@ -21,11 +21,12 @@ filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
 # A-B-A of the forged engine alone on the 8B proxy (llama8b_h100, 4 layers, seq 8192) at GBS 8, micro-batch 1 x
 # grad-accum 8, warm-up 2, median of 6, headline only: `aba TAG "B overrides"` times A (the scenario default),
 # B (A plus the overrides; profiled unless NOPROF=1), A again; bench.json of each to $OUT/TAG_bench_<i>_<arm>.json,
-# B's profile to $OUT/TAG_profile_B.tgz.
+# B's profile to $OUT/TAG_profile_B.tgz. ABA_W replaces the workload (the part before the bench settings), e.g. the 1B
+# real shape at GBS 16: ABA_W="scenario=llama1b_h200 train.micro_batch_size=4 train.global_batch_size=16".
 aba() {
   local tag=$1 b=$2 i=0 arm sw
-  local p="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8 \
-train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
+  local w=${ABA_W:-"scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8"}
+  local p="$w train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
   for arm in A B A; do
     i=$((i+1))
     sw=$([ $arm = B ] && echo "$b bench.profile=$([ -z "${NOPROF:-}" ] && echo true || echo false)")
