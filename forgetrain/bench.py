@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -56,6 +56,10 @@ class BenchConfig:
     # A forged layout that fits without recompute (e.g. llama8b_h200's optimizer offload) can still be set beside a
     # framework run the way its users fit the card (torch.compile with every block checkpointed).
     side_recompute: Optional[str] = None
+    # A second forged engine, the candidate, timed beside the forged one in the same process: {dotted key: value}
+    # under engine.* and kernels.* only (the workload stays the same), e.g. bench.candidate={kernels.swiglu:triton}.
+    # Its row is "candidate"; its "forged x" is its step time over the forged one's. null: no candidate.
+    candidate: Any = None
     out_dir: Optional[str] = None
 
 
@@ -182,6 +186,46 @@ def side_config(cfg: RunConfig, side_recompute: Optional[str]) -> RunConfig:
                                                                recompute_num_layers=rnl))
 
 
+# What a candidate may change: how the forged engine runs, never what it trains (the rows' MFU and tokens/s are the
+# workload's, computed once from the forged config).
+CANDIDATE_GROUPS = ("engine", "kernels")
+
+
+def candidate_config(obj: dict, candidate: dict, world_size: int = 1) -> Optional[RunConfig]:
+    """The run config of ``bench.candidate`` (dotted key -> value, e.g. {"kernels.swiglu": "triton"}) applied to
+    ``obj``, the composed config as a plain dict (keys outside RunConfig's groups are ignored), validated like any
+    run (:func:`forgetrain.config.validate`: a switch's needs, sealed kernels, memory). None when ``candidate`` is
+    empty. Raises ConfigError for a key outside :data:`CANDIDATE_GROUPS`, a key the group does not have, or a
+    value the config refuses."""
+    if not candidate:
+        return None
+    import copy
+
+    from forgetrain.config import validate
+    from forgetrain.errors import ConfigError
+
+    run_keys = {f.name for f in dataclasses.fields(RunConfig)}
+    merged = copy.deepcopy({k: v for k, v in obj.items() if k in run_keys})
+    for key, value in candidate.items():
+        group, _, name = str(key).partition(".")
+        if group not in CANDIDATE_GROUPS or not name or "." in name:
+            raise ConfigError(f"bench.candidate key '{key}' must be <group>.<name> with group "
+                              f"{' or '.join(CANDIDATE_GROUPS)} (the candidate changes how the engine runs, "
+                              f"not the workload)")
+        if group in merged and merged[group] is not None and name not in merged[group]:
+            raise ConfigError(f"bench.candidate key '{key}': {group} has no '{name}' "
+                              f"(known: {', '.join(sorted(merged[group]))})")
+        merged.setdefault(group, {})
+        if merged[group] is None:
+            merged[group] = {}
+        merged[group][name] = value
+    rc = to_run_config(merged)
+    try:
+        return validate(rc, world_size=world_size)
+    except ConfigError as e:
+        raise ConfigError(f"bench.candidate: {e}") from None
+
+
 def make_side(name: str, cfg: RunConfig, device: torch.device):
     """Build reference ``name`` as a bench side. A reference that declares ``supports_bench_side`` is built with
     ``bench_side=True``: the timed form a user of that framework runs (references/deepspeed: SDPA attention, no
@@ -217,8 +261,9 @@ def oom_reason(exc: BaseException, stage: str) -> str:
 
 
 def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable: Optional[dict] = None,
-                side_recompute: Optional[str] = None) -> dict:
-    """{"forged": engine, "<ref>": engine, ...}, all loaded with the first reference's (or forged) init. A side
+                side_recompute: Optional[str] = None, candidate: Optional[RunConfig] = None) -> dict:
+    """{"forged": engine, "candidate": engine (with ``candidate``, :func:`candidate_config`), "<ref>": engine,
+    ...}, all loaded with the first reference's (or forged) init. A side
     whose construction raises ImportError or CannotRunHere is left out and, when ``unavailable`` is given, its
     :func:`unavailable_reason` is stored there (side -> line); without it the error propagates. The sides are
     built with :func:`side_config` (``side_recompute``), the forged engine with ``cfg``."""
@@ -246,7 +291,12 @@ def build_sides(cfg: RunConfig, against: list[str], engine_cls=None, unavailable
     forged = (engine_cls or registry.resolve_engine(cfg.scenario.engine))(cfg, device)
     if init is not None:
         forged.load_hf_weights(init)
-    return {"forged": forged, **sides}
+    out = {"forged": forged}
+    if candidate is not None:
+        torch.manual_seed(cfg.train.seed)
+        out["candidate"] = registry.resolve_engine(candidate.scenario.engine)(candidate, device)
+        out["candidate"].load_hf_weights(init if init is not None else forged.export_hf_weights())
+    return {**out, **sides}
 
 
 # Profile categories: (category, regex over the lower-cased kernel/op name), first match wins, so the order
@@ -391,9 +441,10 @@ def release_host_cache() -> bool:
 
 
 def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None,
-                     profile_dir: Optional[Path] = None, side_recompute: Optional[str] = None) -> dict:
-    """Blocks A, B, C, ..., A (A = forged), one engine in memory at a time, for models too big to hold every
-    side at once. The forged engine is timed before and after the others; its two blocks' medians bracket any
+                     profile_dir: Optional[Path] = None, side_recompute: Optional[str] = None,
+                     candidate: Optional[RunConfig] = None) -> dict:
+    """Blocks A, B, C, ..., A (A = forged; B the ``candidate`` when given, :func:`candidate_config`), one engine
+    in memory at a time, for models too big to hold every side at once. The forged engine is timed before and after the others; its two blocks' medians bracket any
     drift of the machine, and the reported spread includes both blocks. With ``profile_dir`` each side's first
     block ends with one profiled, untimed step (:func:`time_sides`)."""
     import gc
@@ -453,6 +504,9 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
 
     forged_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
     first = block("forged", lambda: forged_cls(cfg, device))
+    if candidate is not None:
+        times["candidate"] = block("candidate",
+                                   lambda: registry.resolve_engine(candidate.scenario.engine)(candidate, device))
     for name in against:
         try:
             times[name] = block(name, lambda: make_side(name, side_config(cfg, side_recompute), device))
@@ -473,30 +527,32 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
 
 def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, interleave: str = "auto",
                 engine_cls=None, profile_dir: Optional[Path] = None,
-                side_recompute: Optional[str] = None) -> tuple[str, dict]:
+                side_recompute: Optional[str] = None, candidate: Optional[RunConfig] = None) -> tuple[str, dict]:
     """(mode, side -> step seconds) for the forged engine and ``against``: interleaved A/B when every side fits
     in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
     (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun). With
     ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`).
     A side that cannot be built here (ImportError, or CannotRunHere: e.g. ZeRO-Offload's host memory) is not timed;
     ``"_unavailable"`` maps it to its one-line reason (:func:`unavailable_reason`). ``side_recompute``: the sides'
-    activation recompute (:func:`side_config`)."""
+    activation recompute (:func:`side_config`). ``candidate``: a second forged engine's config
+    (:func:`candidate_config`), timed as side "candidate" right after the forged one."""
     from forgetrain.memory import host_memory_bytes
 
     # the device's memory, or on CPU the host's (a tiny model's sides always fit there: each estimate carries a
     # fixed 1 GiB workspace, which a fixed 8 GB limit counted as "too big" for three sides)
     capacity = (torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda"
                 else host_memory_bytes() or 8e9)
-    fits = _bytes_per_engine(cfg) * (1 + len(against)) < 0.4 * capacity
+    fits = _bytes_per_engine(cfg) * (1 + len(against)) + (_bytes_per_engine(candidate) if candidate else 0) \
+        < 0.4 * capacity
     if interleave == "always" or (interleave == "auto" and fits):
         unavailable: dict = {}
-        sides = build_sides(cfg, against, engine_cls, unavailable, side_recompute)
+        sides = build_sides(cfg, against, engine_cls, unavailable, side_recompute, candidate)
         mode, times = "interleaved", time_sides(cfg, sides, steps, warmup, profile_dir)
         if unavailable:
             times["_unavailable"] = unavailable  # type: ignore[assignment]
     else:
         mode, times = "sequential A-B-A", sequential_times(cfg, against, steps, warmup, engine_cls, profile_dir,
-                                                            side_recompute)
+                                                            side_recompute, candidate)
     return mode, reduce_over_ranks(times)
 
 
@@ -573,8 +629,9 @@ def print_table(rows: list[dict]) -> None:
 
 def check_request(obj: dict) -> None:
     """The bench request of a composed config (``obj["bench"]``), checked by ``forgetrain.cli`` before Hydra
-    creates anything. Raises ConfigError."""
+    creates anything, the candidate's config included (:func:`candidate_config`). Raises ConfigError."""
     _check_bench(BenchConfig(**obj["bench"]))
+    candidate_config(obj, obj["bench"].get("candidate") or {}, int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _check_bench(b: BenchConfig) -> None:
@@ -633,18 +690,18 @@ def bench_task(cfg) -> None:
     b = BenchConfig(**obj.pop("bench"))
     _check_bench(b)
     rc = to_run_config(obj)
-    import os
-
     from forgetrain.config import validate
 
-    validate(rc, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(rc, world_size=world)
+    candidate = candidate_config(obj, b.candidate or {}, world)
     for line in recompute_warnings(rc, b.against, b.side_recompute):
         print(line, file=sys.stderr)
     from forgetrain.distributed import collective_errors, init_distributed
 
     env = init_distributed(rc.parallel)
     with collective_errors(rc.parallel.timeout_s):
-        _bench(rc, b, env.rank, record=cfg)
+        _bench(rc, b, env.rank, record=cfg, candidate=candidate)
 
 
 def headline_warning(cfg: RunConfig) -> Optional[str]:
@@ -665,6 +722,16 @@ def single_micro_batch_config(cfg: RunConfig) -> RunConfig:
         t, global_batch_size=t.micro_batch_size * cfg.parallel.data_parallel_size))
 
 
+def candidate_line(candidate: dict, times: dict) -> str:
+    """One line comparing the candidate's median step with the forged one's (``times`` as from
+    :func:`timed_sides`): "candidate {overrides}: step_s 0.9870 vs forged 1.0000 (1.3% faster)"."""
+    f, c = statistics.median(times["forged"]), statistics.median(times["candidate"])
+    what = ", ".join(f"{k}={v}" for k, v in candidate.items())
+    pct = 100 * (f - c) / f
+    return (f"candidate {{{what}}}: step_s {c:.4f} vs forged {f:.4f} "
+            f"({abs(pct):.1f}% {'faster' if pct >= 0 else 'slower'})")
+
+
 def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) -> list[dict]:
     """Print one row set (its title, timing line, table, OOMs and forged drift) and return its rows."""
     rows = summarize(cfg, times)
@@ -680,6 +747,8 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
     if "_forged_blocks" in times:
         a, c = times["_forged_blocks"]
         print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
+    if times.get("candidate"):
+        print(candidate_line(b.candidate or {}, times))
     from forgetrain.metrics import implausible_mfu
 
     if rows and (warn := implausible_mfu(cfg.hardware, max(r["mfu_pct"] for r in rows))):
@@ -687,15 +756,16 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
     return rows
 
 
-def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
+def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: Optional[RunConfig] = None) -> None:
     """Time every side and report (rank 0): the tables, bench.json and, from ``record`` (the composed Hydra config),
-    .hydra/config.yaml beside it. bench.json is written once the headline is timed (``"complete": false`` while
+    .hydra/config.yaml beside it. ``candidate``: the config of ``b.candidate`` (:func:`candidate_config`). bench.json is written once the headline is timed (``"complete": false`` while
     the one-micro-batch rows are still to come), then again whole: a run killed in between keeps its headline."""
     from forgetrain.train import _out_dir
 
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
     mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
-                              profile_dir=out if b.profile else None, side_recompute=b.side_recompute)
+                              profile_dir=out if b.profile else None, side_recompute=b.side_recompute,
+                              candidate=candidate)
     single_cfg = single_micro_batch_config(rc)
     wants_single = b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size
     warning, rows = headline_warning(rc), None
@@ -711,7 +781,8 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None) -> None:
     single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
     if wants_single:
         runnable = [s for s in b.against if s not in times.get("_unavailable", {})]  # not built twice to fail
-        single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave, side_recompute=b.side_recompute)
+        single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave, side_recompute=b.side_recompute,
+                             candidate=single_micro_batch_config(candidate) if candidate else None)
     if rank != 0:
         return
     rows_single = _report("single micro-batch", single_cfg, b, *single) if single else None
@@ -750,6 +821,7 @@ def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: di
                                            "engine_info": times.get("_info"),
                                            "forged_blocks_s": times.get("_forged_blocks"),
                                            "side_recompute": b.side_recompute,
+                                           "candidate": b.candidate,
                                            "warnings": recompute_warnings(rc, b.against, b.side_recompute)
                                                        + ([warning] if warning else []),
                                            "versions": versions(), "scenario": rc.scenario.name,

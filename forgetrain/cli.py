@@ -80,9 +80,11 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
                               f"unset (each job gets its own directory under hydra.sweep.dir) or sweep it too")
 
 
-def _compose(config_name: str, overrides: list[str], hydra_node: bool = False):
+def _compose(config_name: str, overrides: list[str], hydra_node: bool = False, hint: bool = True):
     """Hydra's compose API over ForgeTrain's conf dir (with the ``hydra`` node when ``hydra_node``); Hydra's and
-    OmegaConf's errors become one ConfigError line (with a did-you-mean for an unknown key)."""
+    OmegaConf's errors become one ConfigError line (with a did-you-mean for an unknown key unless ``hint`` is
+    false: the suggestion's own composition never looks for one, so a key it cannot drop costs one retry, not a
+    recursion of compositions)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -110,9 +112,9 @@ def _compose(config_name: str, overrides: list[str], hydra_node: bool = False):
         if unknown:
             raise ConfigError(unknown) from None
         bad = getattr(e.__cause__, "full_key", None) or getattr(e, "full_key", None)
-        hint = _did_you_mean(config_name, overrides, bad) if bad and "not in" in f"{detail} {msg}" else None
-        if hint:
-            detail = f"{detail}; did you mean {hint}?" if detail else f"did you mean {hint}?"
+        close = _did_you_mean(config_name, overrides, bad) if hint and bad and "not in" in f"{detail} {msg}" else None
+        if close:
+            detail = f"{detail}; did you mean {close}?" if detail else f"did you mean {close}?"
         raise ConfigError(f"{msg}" + (f" ({detail})" if detail else "")) from None
 
 
@@ -141,9 +143,12 @@ def _did_you_mean(config_name: str, overrides: list[str], bad: str) -> str | Non
     from omegaconf import DictConfig, OmegaConf
 
     parent, _, leaf = bad.rpartition(".")
-    rest = [o for o in overrides if not (o.lstrip("+~").split("=")[0] + ".").startswith(bad + ".")]
+    def related(key: str) -> bool:  # the bad key itself, a key under it, or one above it (a dict value that holds it)
+        return (key + ".").startswith(bad + ".") or (bad + ".").startswith(key + ".")
+
+    rest = [o for o in overrides if not related(o.lstrip("+~").split("=")[0])]
     try:
-        cfg = _compose(config_name, rest)
+        cfg = _compose(config_name, rest, hint=False)
     except Exception:  # noqa: BLE001 - no suggestion then
         return None
     node = OmegaConf.select(cfg, parent) if parent else cfg

@@ -122,7 +122,7 @@ def _registry(tmp_path: Path, kernel: str, sha: str | None, device: str = "cpu")
 
 
 # sealed on the H200 by scripts/device/kernels_bench.sh (docs/device_runs/2026-12-03/kernels_adamw_seal.json)
-CUDA_SEALED = {"adamw", "swiglu"}
+CUDA_SEALED = {"adamw", "ce_chunk", "swiglu"}
 
 
 def test_shipped_triton_kernels_are_sealed_on_cpu_and_only_the_measured_ones_on_cuda():
