@@ -40,8 +40,8 @@
 #           History (issue 18): F 1.0 61.5-62.8% at GBS 32 over six runs; F 0.75 63.08% (sixth session). Seventh
 #           session (2026-12-03), with engine.free_qkv: F 0.65 64.58% at GBS 32, peak 133.5 GiB; one machine at GBS
 #           8, FR="1.0 0.65 1.0": 0.65 6.4% faster; PART=v VFR=0.65 bitwise. The scenario default is F 0.65 with
-#           engine.free_qkv since then. Next, at that default: its tolerance at 2 layers (PART=a A=a3, about 4 min) and
-#           the 120-step real run (PART=b, about 6 min).
+#           engine.free_qkv since then. Eighth session (2026-12-03), at that default: PART=a A=a3 tolerance pass (about
+#           225 s), PART=b 120 steps, loss 12.51 -> 5.85, peak 133.4 GiB (268 s).
 #   PART=e and PART=f take GBS (default 8): at GBS 8 the offload's fixed cost per step (about 1.8 s of 7.3 s at F
 #           1.0, 2026-12-02) is a quarter of the step; GBS=32 NOVERIFY=1 PART=f shows it at a larger global batch.
 #   PART=a also runs exact mode with engine.recompute_num_layers=1 at the bitwise tier (layer 0 recomputed,
