@@ -23,9 +23,10 @@ filt() { grep -vE "Warning|warn|^\s*$" | tail -${1:-6}; }
 # B (A plus the overrides; profiled unless NOPROF=1), A again; bench.json of each to $OUT/TAG_bench_<i>_<arm>.json,
 # B's profile to $OUT/TAG_profile_B.tgz. ABA_W replaces the workload (the part before the bench settings), e.g. the 1B
 # real shape at GBS 16: ABA_W="scenario=llama1b_h200 train.micro_batch_size=4 train.global_batch_size=16".
+PROXY_GBS8="scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8"  # the 8B proxy at GBS 8: aba's and abi's default workload
 aba() {
   local tag=$1 b=$2 i=0 arm sw
-  local w=${ABA_W:-"scenario=llama8b_h100 model.num_layers=4 train.micro_batch_size=1 train.global_batch_size=8"}
+  local w=${ABA_W:-$PROXY_GBS8}
   local p="$w train.deterministic=false bench.against=[] bench.steps=6 bench.warmup=2 bench.single_micro_batch=false"
   for arm in A B A; do
     i=$((i+1))
@@ -36,4 +37,17 @@ aba() {
     cp /tmp/${tag}_$i/bench.json $OUT/${tag}_bench_${i}_$arm.json 2>/dev/null
   done
   tar czf $OUT/${tag}_profile_B.tgz -C /tmp/${tag}_2 profile_forged.json 2>/dev/null
+}
+# The same A/B in one process (bench.candidate, 2026-12-03 eighth session; not yet run on the GPU): `abi TAG
+# "k:v,k:v"` times the forged default and the candidate with those engine.*/kernels.* values interleaved step by step
+# (bench.interleave=always: both engines in memory, 2 x 40 GiB on the 8B proxy), one build of each and one process
+# instead of three; bench.json to $OUT/TAG_bench_AB.json. Compare it once with aba before trusting it.
+abi() {
+  local tag=$1 c=$2
+  local w=${ABA_W:-$PROXY_GBS8}
+  echo "$(ts) == forged vs candidate {$c}, interleaved ($(left) s left)"
+  timeout $(( $(left) - 30 )) python3 -m forgetrain.bench $w train.deterministic=false bench.against=[] bench.steps=6 \
+    bench.warmup=2 bench.single_micro_batch=false bench.interleave=always "bench.candidate={$c}" \
+    bench.out_dir=/tmp/${tag}_ab 2>&1 | grep -E "^(forged|candidate) |error"
+  cp /tmp/${tag}_ab/bench.json $OUT/${tag}_bench_AB.json 2>/dev/null
 }
