@@ -191,39 +191,56 @@ def side_config(cfg: RunConfig, side_recompute: Optional[str]) -> RunConfig:
 CANDIDATE_GROUPS = ("engine", "kernels")
 
 
-def candidate_config(obj: dict, candidate: dict, world_size: int = 1) -> Optional[RunConfig]:
+def candidate_config(obj: dict, candidate, world_size: int = 1) -> Optional[RunConfig]:
     """The run config of ``bench.candidate`` (dotted key -> value, e.g. {"kernels.swiglu": "triton"}) applied to
-    ``obj``, the composed config as a plain dict (keys outside RunConfig's groups are ignored), validated like any
-    run (:func:`forgetrain.config.validate`: a switch's needs, sealed kernels, memory). None when ``candidate`` is
-    empty. Raises ConfigError for a key outside :data:`CANDIDATE_GROUPS`, a key the group does not have, or a
-    value the config refuses."""
-    if not candidate:
+    ``obj``, the composed config as a plain dict (keys outside RunConfig's groups are ignored). The values are typed
+    by the group's schema as a command-line override is (OmegaConf: "yes" is a bool, 1.5 is not an int), then the
+    run is validated like any run (:func:`forgetrain.config.validate`: a switch's needs, sealed kernels, memory),
+    after the configured run itself, so that a mistake in it is not blamed on the candidate. None when
+    ``candidate`` is None or empty. Raises ConfigError for a candidate that is not a dict, a key outside
+    :data:`CANDIDATE_GROUPS`, a key the group does not have, a value of the wrong type, or a value the config
+    refuses."""
+    if candidate is None or (isinstance(candidate, dict) and not candidate):
         return None
-    import copy
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    from forgetrain.config import validate
+    from forgetrain.config import EngineOptions, KernelsConfig, validate
     from forgetrain.errors import ConfigError
 
+    if not isinstance(candidate, dict):
+        raise ConfigError(f"bench.candidate must be a dict of overrides, e.g. bench.candidate={{kernels.swiglu:triton}}"
+                          f" (null or {{}}: no candidate), got {type(candidate).__name__} {candidate!r}")
+    schemas = {"engine": EngineOptions, "kernels": KernelsConfig}
+    assert set(schemas) == set(CANDIDATE_GROUPS)
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
-    merged = copy.deepcopy({k: v for k, v in obj.items() if k in run_keys})
+    plain = {k: v for k, v in obj.items() if k in run_keys}
+    validate(to_run_config(plain), world_size=world_size)  # the configured run first: its own errors, unprefixed
+    nodes = {g: OmegaConf.merge(OmegaConf.structured(cls), plain.get(g) or {}) for g, cls in schemas.items()}
     for key, value in candidate.items():
         group, _, name = str(key).partition(".")
         if group not in CANDIDATE_GROUPS or not name or "." in name:
             raise ConfigError(f"bench.candidate key '{key}' must be <group>.<name> with group "
                               f"{' or '.join(CANDIDATE_GROUPS)} (the candidate changes how the engine runs, "
                               f"not the workload)")
-        if group in merged and merged[group] is not None and name not in merged[group]:
+        if name not in nodes[group]:
             raise ConfigError(f"bench.candidate key '{key}': {group} has no '{name}' "
-                              f"(known: {', '.join(sorted(merged[group]))})")
-        merged.setdefault(group, {})
-        if merged[group] is None:
-            merged[group] = {}
-        merged[group][name] = value
-    rc = to_run_config(merged)
+                              f"(known: {', '.join(sorted(nodes[group]))})")
+        try:
+            nodes[group][name] = value
+        except OmegaConfBaseException as e:
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"bench.candidate key '{key}': {why}") from None
+    rc = to_run_config({**plain, **{g: OmegaConf.to_object(n) for g, n in nodes.items()}})
     try:
         return validate(rc, world_size=world_size)
     except ConfigError as e:
         raise ConfigError(f"bench.candidate: {e}") from None
+
+
+def _value_text(v) -> str:
+    """A candidate value as the command line writes it (true, false, null; the rest as str)."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def make_side(name: str, cfg: RunConfig, device: torch.device):
@@ -631,7 +648,7 @@ def check_request(obj: dict) -> None:
     """The bench request of a composed config (``obj["bench"]``), checked by ``forgetrain.cli`` before Hydra
     creates anything, the candidate's config included (:func:`candidate_config`). Raises ConfigError."""
     _check_bench(BenchConfig(**obj["bench"]))
-    candidate_config(obj, obj["bench"].get("candidate") or {}, int(os.environ.get("WORLD_SIZE", "1")))
+    candidate_config(obj, obj["bench"].get("candidate"), int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _check_bench(b: BenchConfig) -> None:
@@ -694,7 +711,7 @@ def bench_task(cfg) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(rc, world_size=world)
-    candidate = candidate_config(obj, b.candidate or {}, world)
+    candidate = candidate_config(obj, b.candidate, world)
     for line in recompute_warnings(rc, b.against, b.side_recompute):
         print(line, file=sys.stderr)
     from forgetrain.distributed import collective_errors, init_distributed
@@ -715,6 +732,15 @@ def headline_warning(cfg: RunConfig) -> Optional[str]:
             f"{cfg.parallel.data_parallel_size})")
 
 
+def warmup_warning(b: BenchConfig) -> Optional[str]:
+    """The warning for ``bench.warmup=0``: each side's first timed step carries its one-time costs (compilation,
+    the allocator's first requests), so the side that runs first looks slower; None with a warm-up."""
+    if b.warmup > 0:
+        return None
+    return ("warning: bench.warmup=0: each side's first timed step includes its one-time costs (compilation, "
+            "first allocations); use bench.warmup>=1 to compare sides")
+
+
 def single_micro_batch_config(cfg: RunConfig) -> RunConfig:
     """A copy of ``cfg`` with one micro-batch per step: train.global_batch_size = micro-batch x DP."""
     t = cfg.train
@@ -726,7 +752,7 @@ def candidate_line(candidate: dict, times: dict) -> str:
     """One line comparing the candidate's median step with the forged one's (``times`` as from
     :func:`timed_sides`): "candidate {overrides}: step_s 0.9870 vs forged 1.0000 (1.3% faster)"."""
     f, c = statistics.median(times["forged"]), statistics.median(times["candidate"])
-    what = ", ".join(f"{k}={v}" for k, v in candidate.items())
+    what = ", ".join(f"{k}={_value_text(v)}" for k, v in candidate.items())
     pct = 100 * (f - c) / f
     return (f"candidate {{{what}}}: step_s {c:.4f} vs forged {f:.4f} "
             f"({abs(pct):.1f}% {'faster' if pct >= 0 else 'slower'})")
@@ -770,8 +796,8 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: Opt
     wants_single = b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size
     warning, rows = headline_warning(rc), None
     if rank == 0:
-        if warning:
-            print(warning)
+        for line in filter(None, (warning, warmup_warning(b))):
+            print(line)
         rows = _report("headline", rc, b, mode, times)
         for name, info in times.get("_info", {}).items():
             if info:
@@ -823,7 +849,7 @@ def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: di
                                            "side_recompute": b.side_recompute,
                                            "candidate": b.candidate,
                                            "warnings": recompute_warnings(rc, b.against, b.side_recompute)
-                                                       + ([warning] if warning else []),
+                                                       + [w for w in (warning, warmup_warning(b)) if w],
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
 

@@ -45,11 +45,37 @@ def test_candidate_config_applies_only_its_overrides():
     assert obj["engine"]["free_qkv"] is False  # the composed config is not touched
 
 
+@pytest.mark.parametrize("candidate", [["engine.free_qkv"], "engine.free_qkv", 5])
+def test_a_candidate_that_is_not_a_dict_is_refused(candidate):
+    from forgetrain import bench
+    from forgetrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="bench.candidate must be a dict of overrides"):
+        bench.candidate_config(_obj(FAST), candidate)
+    assert bench.candidate_config(_obj(FAST), {}) is None and bench.candidate_config(_obj(FAST), None) is None
+
+
+def test_the_configured_run_is_checked_before_the_candidate():
+    """A mistake in the configured run is reported as it is, not as the candidate's."""
+    from forgetrain import bench
+    from forgetrain.errors import ConfigError
+
+    obj = _obj([o for o in FAST if o != "engine.onepass_optimizer=false"])  # one-pass needs kernels.adamw=triton
+    with pytest.raises(ConfigError, match="^engine.onepass_optimizer=true needs"):
+        bench.candidate_config(obj, {"engine.free_qkv": True})
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("model.num_layers", 2, "must be <group>.<name> with group engine or kernels"),
     ("train.global_batch_size", 8, "not the workload"),
     ("engine", True, "must be <group>.<name>"),
     ("kernels.swigluu", "triton", "kernels has no 'swigluu'"),
+    # values are typed by the group's schema, as a command-line override is
+    ("engine.free_qkv", "maybe", "engine.free_qkv': Value 'maybe' is not a valid bool"),
+    ("engine.free_qkv", {"a": True}, "is not a valid bool"),
+    ("engine.free_qkv", None, "is not Optional"),
+    ("engine.ce_chunk_tokens", 1.5, "could not be converted to Integer"),
+    ("engine.ce_chunk_tokens", "abc", "could not be converted to Integer"),
     # a switch's needs are checked as for any run (kernels.ce_chunk=triton replaces a part of the chunked LM head)
     ("kernels.ce_chunk", "triton", "bench.candidate: .*ce_chunk"),
 ])
@@ -104,7 +130,7 @@ def test_the_candidate_engine_gets_the_candidate_config_and_the_forged_init(monk
     assert rows["candidate"]["forged_speedup"] == pytest.approx(
         statistics.median(times["candidate"]) / statistics.median(times["forged"]))
     line = bench.candidate_line({"engine.free_qkv": True}, times)
-    assert line.startswith("candidate {engine.free_qkv=True}: step_s ") and ("faster" in line or "slower" in line)
+    assert line.startswith("candidate {engine.free_qkv=true}: step_s ") and ("faster" in line or "slower" in line)
 
 
 def test_candidate_line_says_faster_and_slower():
@@ -112,6 +138,15 @@ def test_candidate_line_says_faster_and_slower():
 
     assert bench.candidate_line({"k.x": 1}, {"forged": [1.0], "candidate": [0.9]}).endswith("(10.0% faster)")
     assert bench.candidate_line({"k.x": 1}, {"forged": [1.0], "candidate": [1.2]}).endswith("(20.0% slower)")
+    assert bench.candidate_line({"e.a": True, "e.b": None}, {"forged": [1.0], "candidate": [1.0]}).startswith(
+        "candidate {e.a=true, e.b=null}: ")
+
+
+def test_warmup_zero_is_warned_about():
+    from forgetrain import bench
+
+    assert bench.warmup_warning(bench.BenchConfig(warmup=1)) is None
+    assert "first timed step includes its one-time costs" in bench.warmup_warning(bench.BenchConfig(warmup=0))
 
 
 def _bench(tmp_path, *extra, timeout=600):
@@ -127,7 +162,8 @@ def test_bench_cli_times_the_candidate_and_records_it(tmp_path):
     res = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert res["candidate"] == {"engine.free_qkv": True}
     assert {r["side"] for r in res["rows"]} == {"forged", "candidate"}
-    assert "candidate {engine.free_qkv=True}: step_s" in p.stdout
+    assert "candidate {engine.free_qkv=true}: step_s" in p.stdout
+    assert any("bench.warmup=0" in w for w in res["warnings"])  # printed and recorded
 
 
 def test_bench_cli_refuses_a_workload_candidate_in_one_line(tmp_path):
