@@ -205,14 +205,16 @@ def candidate_config(obj: dict, candidate, world_size: int = 1) -> Optional[RunC
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from forgetrain.config import EngineOptions, KernelsConfig, validate
+    import typing
+
+    from forgetrain.config import validate
     from forgetrain.errors import ConfigError
 
     if not isinstance(candidate, dict):
         raise ConfigError(f"bench.candidate must be a dict of overrides, e.g. bench.candidate={{kernels.swiglu:triton}}"
                           f" (null or {{}}: no candidate), got {type(candidate).__name__} {candidate!r}")
-    schemas = {"engine": EngineOptions, "kernels": KernelsConfig}
-    assert set(schemas) == set(CANDIDATE_GROUPS)
+    hints = typing.get_type_hints(RunConfig)
+    schemas = {g: hints[g] for g in CANDIDATE_GROUPS}  # EngineOptions, KernelsConfig
     run_keys = {f.name for f in dataclasses.fields(RunConfig)}
     plain = {k: v for k, v in obj.items() if k in run_keys}
     validate(to_run_config(plain), world_size=world_size)  # the configured run first: its own errors, unprefixed
@@ -461,8 +463,8 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
                      profile_dir: Optional[Path] = None, side_recompute: Optional[str] = None,
                      candidate: Optional[RunConfig] = None) -> dict:
     """Blocks A, B, C, ..., A (A = forged; B the ``candidate`` when given, :func:`candidate_config`), one engine
-    in memory at a time, for models too big to hold every side at once. The forged engine is timed before and after the others; its two blocks' medians bracket any
-    drift of the machine, and the reported spread includes both blocks. With ``profile_dir`` each side's first
+    in memory at a time, for models too big to hold every side at once. The forged engine is timed before and after
+    the others; its two blocks' medians bracket any drift of the machine, and the reported spread includes both blocks. With ``profile_dir`` each side's first
     block ends with one profiled, untimed step (:func:`time_sides`)."""
     import gc
 
