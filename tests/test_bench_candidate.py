@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # the Hopper engine on CPU at the llama_micro shape, its Triton switches off (the interpreter is slow)
 FAST = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "kernels.adamw=torch", "kernels.swiglu=torch",
+        "kernels.ce_chunk=torch",
         "engine.onepass_optimizer=false", "engine.compile=false", "train.micro_batch_size=2",
         "train.global_batch_size=4", "train.threads=1"]
 

@@ -100,7 +100,7 @@ def test_cli_refuses_an_unhonoured_switch_in_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama1b_h200", "hardware=cpu",
                         "model=llama_micro", "engine.mode=exact", "engine.grad_accum_fusion=false",
                         "engine.onepass_optimizer=false", "engine.compile=false", "kernels.adamw=torch",
-                        "kernels.swiglu=torch", f"train.out_dir={out}"],
+                        "kernels.swiglu=torch", "kernels.ce_chunk=torch", f"train.out_dir={out}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
