@@ -175,6 +175,10 @@ class EngineOptions:
     # (nq + nkv) d bf16 values less per token and stored layer, 2.5 GiB at Llama-3-8B's 32 layers x 8192 tokens,
     # for one [tokens, nkv d] copy per layer. Tolerance tier (another V stride may pick another attention kernel)
     free_qkv: bool = False
+    # fast mode: the decoder layers' linear layers (QKV, attention output, fc1, fc2) run their GEMMs with FP8
+    # operands: none | tensorwise (dynamic per-tensor scaling: e4m3 activations and weights, e5m2 gradients; the
+    # embedding, LM head, attention and norms stay bf16). Loss-curve tier (optimisations.yaml: fp8_linear)
+    fp8: str = "none"
     # fast mode, kernels.adamw=triton, no ZeRO: the optimizer step as one pass: the grad norm stays on the device,
     # clipping is folded into the Triton AdamW kernel (no clip pass, no host sync before it) and the kernel writes
     # the bf16 model weights itself (no separate fp32 -> bf16 copy). Tolerance tier (optimisations.yaml)
@@ -196,6 +200,7 @@ class EngineOptions:
 
 
 COMPILE_TUNINGS = {"none": {}, "coordinate_descent": {"coordinate_descent_tuning": True}}
+FP8_RECIPES = ("none", "tensorwise")  # engine.fp8 (scenarios/llama1b_h200/fp8.py implements them)
 
 
 def inductor_options(engine_opts) -> dict | None:
@@ -485,6 +490,11 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.engine.compile_tuning != "none" and cfg.engine.mode != "fast":
         raise ConfigError(f"engine.compile_tuning={cfg.engine.compile_tuning} needs engine.mode=fast (exact mode "
                           f"compiles nothing); drop engine.compile_tuning")
+    if cfg.engine.fp8 not in FP8_RECIPES:
+        raise ConfigError(f"engine.fp8 must be {'|'.join(FP8_RECIPES)}, got '{cfg.engine.fp8}'")
+    if cfg.engine.fp8 != "none" and cfg.engine.mode != "fast":
+        raise ConfigError(f"engine.fp8={cfg.engine.fp8} needs engine.mode=fast (exact mode is the bitwise bf16 "
+                          "mirror of Megatron-core); drop engine.fp8 or set engine.fp8=none")
     if cfg.engine.free_qkv and cfg.engine.mode != "fast":
         raise ConfigError("engine.free_qkv=true needs engine.mode=fast (exact mode's attention is Megatron's "
                           "unfused one)" + preset("engine.free_qkv"))

@@ -95,6 +95,8 @@ class Engine:
         self.par = ParallelState.build(self.pcfg)
         self.dp_size, self.zero_stage = self.par.dp_size, self.par.zero_stage
         self.ddp: GradBuffer | None = None
+        if self.fast and self.opts.fp8 != "none":
+            self._check_fp8()
         with torch.device(self.device):
             if self.fast:
                 from scenarios.llama1b_h200.fast import FastLlama
@@ -113,6 +115,28 @@ class Engine:
         self.per_layer = self.bf16 and self.opts.bf16_weights == "per_layer"
         self._own: list[str] = []  # per-layer weights: the recompute writes their main_grad itself
         self.init_weights()
+
+    def _check_fp8(self) -> None:
+        """engine.fp8's needs (fp8.py): FP8 GEMMs on the device (CUDA compute capability 8.9 or later; on CPU torch
+        runs ``_scaled_mm`` itself) and linear dimensions that are multiples of 16. Raises ConfigError."""
+        from scenarios.llama1b_h200 import fp8
+
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
+            raise ConfigError(f"engine.fp8={self.opts.fp8} needs FP8 GEMMs (CUDA compute capability 8.9 or later: "
+                              f"Ada, Hopper); this GPU has {cap}; set engine.fp8=none")
+        m = self.mcfg
+        d = m.head_dim
+        qkv = m.num_query_groups * (m.num_attention_heads // m.num_query_groups + 2) * d
+        try:
+            for i, o in ((m.hidden_size, qkv), (m.num_attention_heads * d, m.hidden_size),
+                         (m.hidden_size, 2 * m.ffn_hidden_size), (m.ffn_hidden_size, m.hidden_size)):
+                fp8.check_shape(i, o)
+            if (self.tcfg.micro_batch_size * m.seq_length) % 16:
+                raise ValueError(f"engine.fp8 needs micro-batch x sequence tokens that are a multiple of 16, got "
+                                 f"{self.tcfg.micro_batch_size * m.seq_length}")
+        except ValueError as e:
+            raise ConfigError(f"{e}; set engine.fp8=none") from None
 
     # ------------------------------------------------------------------ weights
     def init_weights(self) -> None:

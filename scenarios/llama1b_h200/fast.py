@@ -12,7 +12,9 @@ departure from the exact path changes reduction order, so this model targets the
   with ``chunked``, ``kernels.ce_chunk=triton`` computes each chunk's loss and d(logits) with the forged kernel
   ``forgetrain.kernels.ce_chunk`` instead of the compiled torch ops;
 * with ``engine.grad_accum_fusion`` the weight gradients of the linear layers, the LM head and the embedding go
-  straight into the engine's fp32 ``main_grad`` (``wgrad.py``; tolerance tier).
+  straight into the engine's fp32 ``main_grad`` (``wgrad.py``; tolerance tier);
+* with ``engine.fp8=tensorwise`` the decoder layers' four linear layers run their GEMMs with FP8 operands
+  (``fp8.py``; loss-curve tier).
 
 Shapes: b micro-batch, s sequence, h hidden, d head dim, V vocab.
 """
@@ -25,7 +27,7 @@ from torch import nn
 
 from forgetrain.config import inductor_options
 from forgetrain.kernels import torch_ops
-from scenarios.llama1b_h200 import wgrad
+from scenarios.llama1b_h200 import fp8, wgrad
 from scenarios.llama1b_h200.wgrad import WGradAccum
 
 
@@ -63,11 +65,12 @@ def _sdpa_priority(backend: str, device):
 class FastBlock(nn.Module):
     """One transformer block, ``x [b, s, h] -> [b, s, h]``; parameter names match the exact model's Block."""
 
-    def __init__(self, cfg, kernels, free_qkv: bool = False):
+    def __init__(self, cfg, kernels, free_qkv: bool = False, fp8_recipe: str = "none"):
         super().__init__()
         from scenarios._llama.model import RMSNorm
 
         self.free_qkv = free_qkv  # engine.free_qkv: V copied out of the QKV output (see forward)
+        self.fp8 = fp8_recipe  # engine.fp8: none | tensorwise (fp8.py)
         self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.pre_mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
@@ -85,6 +88,9 @@ class FastBlock(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _linear(self, x: torch.Tensor, name: str, w: torch.Tensor, acc: WGradAccum | None) -> torch.Tensor:
+        if self.fp8 != "none":
+            mg = self.main_grad.get(name) if acc is not None else None
+            return fp8.linear(x, w, mg, acc is not None and acc.first)
         return wgrad.linear(x, w, self.main_grad.get(name), acc)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope32=None,
@@ -206,7 +212,8 @@ class FastLlama(nn.Module):
 
         self.cfg, self.kernels, self.opts = cfg, kernels, engine_opts
         self.embedding = Embedding(cfg.vocab_size, cfg.hidden_size, index_lookup=False)
-        self.layers = nn.ModuleList(FastBlock(cfg, kernels, getattr(engine_opts, "free_qkv", False))
+        self.layers = nn.ModuleList(FastBlock(cfg, kernels, getattr(engine_opts, "free_qkv", False),
+                                              getattr(engine_opts, "fp8", "none"))
                                     for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.output_layer = OutputLayer(cfg.vocab_size, cfg.hidden_size)
