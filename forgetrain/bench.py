@@ -760,6 +760,15 @@ def candidate_line(candidate: dict, times: dict) -> str:
             f"({abs(pct):.1f}% {'faster' if pct >= 0 else 'slower'})")
 
 
+def fp8_notes(info: dict) -> list[str]:
+    """One ``note:`` line per side whose engine info (``bench_info``) says it runs FP8 GEMMs (``engine.fp8``):
+    its MFU still counts the model's FLOPs against the device's bf16 dense peak, as every side's does (the
+    convention torchtitan reports its float8 runs under), so it is not a utilisation of the FP8 peak."""
+    return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 (engine.fp8={i['fp8']}); its MFU is counted "
+            f"against the bf16 dense peak like every side's" for name, i in info.items()
+            if i and i.get("fp8", "none") != "none"]
+
+
 def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) -> list[dict]:
     """Print one row set (its title, timing line, table, OOMs and forged drift) and return its rows."""
     rows = summarize(cfg, times)
@@ -777,6 +786,8 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
         print(f"forged drift between its two blocks: {100 * (c - a) / a:+.1f}%")
     if times.get("candidate"):
         print(candidate_line(b.candidate or {}, times))
+    for line in fp8_notes(times.get("_info", {})):
+        print(line)
     from forgetrain.metrics import implausible_mfu
 
     if rows and (warn := implausible_mfu(cfg.hardware, max(r["mfu_pct"] for r in rows))):
@@ -851,7 +862,8 @@ def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: di
                                            "side_recompute": b.side_recompute,
                                            "candidate": b.candidate,
                                            "warnings": recompute_warnings(rc, b.against, b.side_recompute)
-                                                       + [w for w in (warning, warmup_warning(b)) if w],
+                                                       + [w for w in (warning, warmup_warning(b)) if w]
+                                                       + fp8_notes(times.get("_info") or {}),
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
 

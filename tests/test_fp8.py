@@ -190,3 +190,19 @@ def test_bad_fp8_config_is_one_error_line_and_writes_nothing(extra, msg, tmp_pat
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines[-1].startswith("error: ") and msg in lines[-1], lines[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_bench_labels_an_fp8_side_and_records_it(tmp_path):
+    """bench runs the FP8 engine, says in one note that its MFU is still against the bf16 peak, and bench.json
+    records the GEMM precision in the forged side's engine info and the note among its warnings."""
+    import json
+
+    p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *FAST[:-2], "engine.fp8=tensorwise",
+                        "bench.against=[]", "bench.steps=1", "bench.warmup=1", "bench.single_micro_batch=false",
+                        f"bench.out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    note = "note: side 'forged' runs its decoder layers' GEMMs in FP8 (engine.fp8=tensorwise)"
+    assert note in p.stdout, p.stdout[-2000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["engine_info"]["forged"]["fp8"] == "tensorwise"
+    assert any(w.startswith(note) for w in res["warnings"])

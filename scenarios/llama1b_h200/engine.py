@@ -198,8 +198,10 @@ class Engine:
     @property
     def bench_info(self) -> dict:
         """What ``forgetrain.bench`` records about this engine: the gradient-accumulation path (None: unfused), the
-        activation recompute (and how many layers it covers; None: all) and where the layers' bf16 weights live."""
+        activation recompute (and how many layers it covers; None: all), where the layers' bf16 weights live and
+        the GEMM precision of the decoder layers' linear layers (``fp8``: engine.fp8, "none" for bf16)."""
         return {"grad_accum_fusion": self.grad_accum_path, "recompute": self.opts.recompute,
+                "fp8": self.opts.fp8 if self.fast else "none",
                 "recompute_num_layers": self.opts.recompute_num_layers,
                 "optimizer_offload_fraction": self.opts.optimizer_offload_fraction,
                 "bf16_weights": self.opts.bf16_weights if self.bf16 else None}

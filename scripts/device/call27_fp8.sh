@@ -9,22 +9,24 @@
 #       (about 110 s);
 #   s1: surpass of llama1b_h200 at the real shape (call10's R1B) vs its 5-seed golden, with engine.fp8=tensorwise
 #       (about 150 s).
+# TAG names the files (default call27); more than 8 files come back as one TAG.tgz.
 #   run: bash scripts/device/call27_fp8.sh ; PARTS="p1 s1" bash scripts/device/call27_fp8.sh   (carry [".whl"])
 set -u
 . scripts/device/setup.sh
 . scripts/device/shapes.sh   # P8, R1B, FIVE
 for part in ${PARTS:-p8 s8}; do
   case $part in
-    p8) aba call27 "engine.fp8=tensorwise" ;;
-    p1) ABA_W="scenario=llama1b_h200 train.micro_batch_size=4 train.global_batch_size=16" aba call27_1b \
+    p8) aba ${TAG:-call27} "engine.fp8=tensorwise" ;;
+    p1) ABA_W="scenario=llama1b_h200 train.micro_batch_size=4 train.global_batch_size=16" aba ${TAG:-call27}_1b \
           "engine.fp8=tensorwise" ;;
     s8|s1)
       [ $part = s8 ] && W=$P8 || W=$R1B
       echo "$(ts) == $part: surpass with engine.fp8=tensorwise vs 5 seeds ($(left) s left)"
       timeout $(left) python3 -m forgetrain.verify $W engine.fp8=tensorwise tier=surpass verify.golden=true "$FIVE" \
         verify.out_dir=/tmp/v27$part 2>&1 | filt 8
-      cp /tmp/v27$part/verdict.json $OUT/call27_fp8_${part}_verdict.json 2>/dev/null
-      cp /tmp/v27$part/loss_curves.png $OUT/call27_fp8_${part}_loss_curves.png 2>/dev/null ;;
+      cp /tmp/v27$part/verdict.json $OUT/${TAG:-call27}_fp8_${part}_verdict.json 2>/dev/null
+      cp /tmp/v27$part/loss_curves.png $OUT/${TAG:-call27}_fp8_${part}_loss_curves.png 2>/dev/null ;;
   esac
 done
+pack ${TAG:-call27}  # more than 8 files: one tgz
 echo "$(ts) done"

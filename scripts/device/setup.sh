@@ -51,3 +51,9 @@ abi() {
     bench.out_dir=/tmp/${tag}_ab 2>&1 | grep -E "^(forged|candidate) |error"
   cp /tmp/${tag}_ab/bench.json $OUT/${tag}_bench_AB.json 2>/dev/null
 }
+# The device returns at most 8 files from $OUT: `pack NAME` folds everything there into $OUT/NAME.tgz when there are
+# more (extract it here with `tar xzf NAME.tgz -C docs/device_runs/<date>/`).
+pack() {
+  [ "$(ls "$OUT" | wc -l)" -le 8 ] && return 0
+  tar czf /tmp/$1.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/$1.tgz "$OUT/"
+}
