@@ -206,3 +206,18 @@ def test_bench_labels_an_fp8_side_and_records_it(tmp_path):
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["engine_info"]["forged"]["fp8"] == "tensorwise"
     assert any(w.startswith(note) for w in res["warnings"])
+
+
+def test_recompute_with_fp8_is_bitwise(tmp_path):
+    """engine.recompute=full (bitwise tier) stays bitwise under engine.fp8: the recomputed forward quantises the same
+    tensors with the same scales, so every loss and grad norm of 4 steps is the same bits."""
+    a = _train(tmp_path / "stored", "engine.fp8=tensorwise")
+    b = _train(tmp_path / "recompute", "engine.fp8=tensorwise", "engine.recompute=full")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    import json
+
+    def rows(out):
+        return [(r["loss"], r.get("grad_norm")) for r in map(json.loads, (out / "trace" / "trace.jsonl").read_text()
+                                                             .splitlines()) if "loss" in r and "step" in r]
+
+    assert rows(tmp_path / "stored") == rows(tmp_path / "recompute") != []
