@@ -89,17 +89,34 @@ def mfu_formula_label(peak_label: str) -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``'s "model name", e.g. "AMD EPYC 7B13"), else the platform's
-    processor or machine string. CPU goldens and the cached CPU peak are keyed by it: the matrix library picks
-    its kernels per CPU model, so the last bits of a product can differ between models of one architecture."""
+    """The CPU's identity as the matrix library sees it: ``/proc/cpuinfo``'s "model name", its "cpu family" and
+    "model" numbers and the widest vector ISA it offers, e.g. "AMD EPYC (family 25 model 17, avx512)"; else the
+    platform's processor or machine string. CPU goldens and the cached CPU peak are keyed by it: the matrix library
+    picks its kernels per microarchitecture and ISA, so the last bits of a product can differ between two CPUs of one
+    marketing name (a virtual machine may report only "AMD EPYC" for Zen 3 without AVX-512 and Zen 4 with it)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            text = f.read()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        text = ""
+    return cpu_ident(text) or platform.processor() or platform.machine()
+
+
+def cpu_ident(cpuinfo: str) -> str | None:
+    """:func:`cpu_model`'s string from the text of ``/proc/cpuinfo`` (its first processor's block); None when that
+    has no "model name"."""
+    info = {}
+    for line in cpuinfo.split("\n\n", 1)[0].splitlines():
+        k, _, v = line.partition(":")
+        info.setdefault(k.strip().lower(), v.strip())
+    name = info.get("model name")
+    if not name:
+        return None
+    flags = set(info.get("flags", "").split())
+    isa = next((i for i, f in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2")) if f in flags), None)
+    ident = ", ".join(x for x in (f"family {info['cpu family']} model {info['model']}"
+                                  if "cpu family" in info and "model" in info else None, isa) if x)
+    return f"{name} ({ident})" if ident else name
 
 
 def _cache_dir() -> Path:

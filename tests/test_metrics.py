@@ -110,3 +110,20 @@ def test_mfu_above_100_drops_the_measured_cpu_peak(monkeypatch, tmp_path):
     warn = metrics.implausible_mfu(cpu, 118.5)
     assert warn.startswith("warning: MFU 118.5% is above 100%") and f"{peak / 1e9:.1f} GFLOP/s" in warn, warn
     assert key not in json.loads((tmp_path / "cpu_peak.json").read_text()) and not metrics._RUN_PEAK
+
+
+ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx2\n\nprocessor\t: 1\nmodel name\t: other\n"
+ZEN4 = ZEN3.replace("model\t\t: 1\n", "model\t\t: 17\n").replace("avx2\n", "avx2 avx512f avx512dq\n")
+SPR = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: avx2 avx512f amx_tile\n"
+
+
+def test_cpu_identity_separates_microarchitectures_of_one_name():
+    """Two CPUs that a virtual machine names alike ("AMD EPYC": Zen 3 without AVX-512, Zen 4 with it) pick different
+    matrix kernels, so their goldens and cached peaks must not share a key (a Zen-3 golden failed bitwise on Zen 4)."""
+    from forgetrain.metrics import cpu_ident
+
+    assert cpu_ident(ZEN3) == "AMD EPYC (family 25 model 1, avx2)"
+    assert cpu_ident(ZEN4) == "AMD EPYC (family 25 model 17, avx512)"
+    assert cpu_ident(SPR) == "Intel(R) Xeon(R) Processor (family 6 model 143, amx)"
+    assert cpu_ident("model name\t: Some CPU\n") == "Some CPU"
+    assert cpu_ident("processor\t: 0\n") is None
