@@ -119,7 +119,7 @@ SPR = "processor\t: 0\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) X
 
 def test_cpu_identity_separates_microarchitectures_of_one_name():
     """Two CPUs that a virtual machine names alike ("AMD EPYC": Zen 3 without AVX-512, Zen 4 with it) pick different
-    matrix kernels, so their goldens and cached peaks must not share a key (a Zen-3 golden failed bitwise on Zen 4)."""
+    matrix kernels, so their goldens and cached peaks must not share a key (a golden keyed "AMD EPYC" alone, made on another EPYC, failed bitwise on a Zen 4)."""
     from forgetrain.metrics import cpu_ident
 
     assert cpu_ident(ZEN3) == "AMD EPYC (family 25 model 1, avx2)"
