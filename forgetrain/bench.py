@@ -762,11 +762,12 @@ def candidate_line(candidate: dict, times: dict) -> str:
 
 def fp8_notes(info: dict) -> list[str]:
     """One ``note:`` line per side whose engine info (``bench_info``) says it runs FP8 GEMMs (``engine.fp8``):
-    its MFU still counts the model's FLOPs against the device's bf16 dense peak, as every side's does (the
-    convention torchtitan reports its float8 runs under), so it is not a utilisation of the FP8 peak."""
+    its MFU still counts the model's FLOPs against the peak every side is counted against (on a GPU the bf16 dense
+    peak: the convention torchtitan reports its float8 runs under; on CPU a measured matmul rate), so it is not a
+    utilisation of an FP8 peak."""
     return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 (engine.fp8={i['fp8']}); its MFU is counted "
-            f"against the bf16 dense peak like every side's" for name, i in info.items()
-            if i and i.get("fp8", "none") != "none"]
+            f"against the same peak as every side's (a GPU's bf16 dense peak), not an FP8 peak"
+            for name, i in info.items() if i and i.get("fp8", "none") != "none"]
 
 
 def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) -> list[dict]:

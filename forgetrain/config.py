@@ -493,8 +493,8 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.engine.fp8 not in FP8_RECIPES:
         raise ConfigError(f"engine.fp8 must be {'|'.join(FP8_RECIPES)}, got '{cfg.engine.fp8}'")
     if cfg.engine.fp8 != "none" and cfg.engine.mode != "fast":
-        raise ConfigError(f"engine.fp8={cfg.engine.fp8} needs engine.mode=fast (exact mode is the bitwise bf16 "
-                          "mirror of Megatron-core); drop engine.fp8 or set engine.fp8=none")
+        raise ConfigError(f"engine.fp8={cfg.engine.fp8} needs engine.mode=fast (exact mode is the bitwise "
+                          "mirror of Megatron-core's GEMMs); drop engine.fp8 or set engine.fp8=none")
     if cfg.engine.free_qkv and cfg.engine.mode != "fast":
         raise ConfigError("engine.free_qkv=true needs engine.mode=fast (exact mode's attention is Megatron's "
                           "unfused one)" + preset("engine.free_qkv"))

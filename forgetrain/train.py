@@ -70,6 +70,16 @@ def hashed_config(cfg: RunConfig) -> dict:
                                   "data": dataclasses.asdict(cfg.data), "parallel": p}, default=str))
 
 
+def engine_settings(cfg: RunConfig) -> dict:
+    """How the forged engine computes (``engine.*`` and ``kernels.*``), as a JSON-able dict: kept out of
+    :func:`hashed_config` (a golden is the reference's, whatever engine is judged against it) but stored with each
+    checkpoint, so a resume with another engine setting (``engine.fp8``, a kernel switch) is named."""
+    import json
+
+    return json.loads(json.dumps({"engine": dataclasses.asdict(cfg.engine), "kernels": dataclasses.asdict(cfg.kernels)},
+                                 default=str))
+
+
 def _claim_out_dir(cfg: RunConfig, out: Path, env: DistEnv) -> None:
     """A fresh run refuses a directory that holds another run's checkpoints or trace (they would be overwritten,
     and pruning would delete this run's own checkpoints), unless ``train.overwrite=true`` clears them first.
@@ -446,6 +456,11 @@ def _resume(run: _Run) -> None:
             what = "; ".join(changed) if changed else f"config hash {harness.get('config_hash')} -> {config_hash(cfg)}"
             print(f"warning: resuming {last.name} with settings different from the checkpoint's: {what}",
                   file=sys.stderr)
+    if "engine_settings" in harness:
+        changed = config_changes(harness["engine_settings"], engine_settings(cfg))
+        if changed and env.rank == 0:
+            print(f"warning: resuming {last.name} with engine settings different from the checkpoint's: "
+                  f"{'; '.join(changed)} (the steps after the resume are computed another way)", file=sys.stderr)
     try:
         recorded = read_trace(run.trace_dir)[1]
     except FileNotFoundError:
@@ -574,7 +589,7 @@ def _loop(run: _Run, progress: bool) -> None:
                 if writer:
                     writer.flush()
                 harness = {"step": step + 1, "config_hash": config_hash(cfg), "config": run.meta["config"],
-                           "scenario": cfg.scenario.name,
+                           "engine_settings": engine_settings(cfg), "scenario": cfg.scenario.name,
                            "side": run.meta["side"], "global_batch_size": t.global_batch_size,
                            "wandb_run_id": wandb_logger.run.id if wandb_logger else wandb_id}
                 try:

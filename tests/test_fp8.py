@@ -221,3 +221,34 @@ def test_recompute_with_fp8_is_bitwise(tmp_path):
                                                              .splitlines()) if "loss" in r and "step" in r]
 
     assert rows(tmp_path / "stored") == rows(tmp_path / "recompute") != []
+
+
+def test_any_token_count_runs_and_padding_is_exact():
+    """37 tokens (a generation step, a short sequence) are padded to 48 with zero rows for the GEMMs' multiple of 16:
+    the outputs and gradients equal those of the same 37 rows run with 11 explicit zero rows appended (zero rows
+    change no amax), and stay within the FP8 bound of fp64."""
+    x, w, dy = _operands()
+    x, dy = x.reshape(-1, 96)[:37], dy.reshape(-1, 48)[:37]
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ya = fp8.linear(xa, wa)
+    ya.backward(dy)
+    xb, wb = torch.cat([x, torch.zeros(11, 96, dtype=x.dtype)]).requires_grad_(), w.clone().requires_grad_()
+    yb = fp8.linear(xb, wb)
+    yb.backward(torch.cat([dy, torch.zeros(11, 48, dtype=dy.dtype)]))
+    assert ya.shape == (37, 48) and torch.equal(ya, yb[:37]) and not yb[37:].any()
+    assert torch.equal(xa.grad, xb.grad[:37]) and torch.equal(wa.grad, wb.grad)
+    assert _rel(ya, F.linear(x.double(), w.double())) < FWD_BOUND
+
+
+def test_resume_names_a_changed_engine_setting(tmp_path):
+    """engine.* settings stay out of the config hash (goldens are the reference's), but a resume with another one
+    (here FP8 switched off) is named in a warning: the steps after it are computed another way."""
+    out = tmp_path / "run"
+    a = _train(out, "engine.fp8=tensorwise", "train.save_interval=2")
+    assert a.returncode == 0, a.stderr[-2000:]
+    b = _train(out, "train.resume=true", "train.steps=6")
+    assert b.returncode == 0, b.stderr[-2000:]
+    assert "with engine settings different from the checkpoint's: engine.fp8 tensorwise -> none" in b.stderr, \
+        b.stderr[-2000:]
+    c = _train(out, "train.resume=true", "train.steps=8")  # b's checkpoint, b's engine: no such warning
+    assert c.returncode == 0 and "engine settings different" not in c.stderr, c.stderr[-2000:]

@@ -28,7 +28,8 @@ torchtitan reports its float8 runs, and is labelled so in benchmarks.
 
 Shapes: ``x [..., in]`` (leading dims flattened to tokens), ``w [out, in]``, ``main_grad [out, in]`` fp32.
 cuBLASLt's FP8 GEMM needs every dimension a multiple of 16 and the second operand column-major: the functions
-below lay the operands out so. Raises ValueError (:func:`check_shape`) for dimensions it cannot run.
+below lay the operands out so, padding the token dimension with zero rows where needed (:func:`_pad_rows`); the
+weight's dimensions are checked once (:func:`check_shape` raises ValueError).
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     t8 = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
     return t8, scale.reciprocal()
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [T, k]`` with zero rows appended up to a multiple of 16 (cuBLASLt's FP8 GEMM needs every dimension so;
+    a generation step or a short sequence has any T). Exact: zero rows change no amax and no other row's product,
+    and the extra output rows are cut off. ``t`` itself when T already is a multiple of 16."""
+    pad = -t.shape[0] % 16
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -107,20 +116,21 @@ class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, main_grad, overwrite: bool):
         lead, k = x.shape[:-1], x.shape[-1]
-        x8, sx = quantize(x.reshape(-1, k), E4M3)
+        x2 = _pad_rows(x.reshape(-1, k))
+        x8, sx = quantize(x2, E4M3)
         w8, sw = quantize(w, E4M3)
         y = _mm(x8, sx, w8.t(), sw, x.dtype)  # w8 [out, in] row-major: w8.t() is [in, out] column-major
         ctx.save_for_backward(x8.t().contiguous(), sx, w8, sw)
         ctx.main_grad, ctx.overwrite, ctx.dtypes = main_grad, overwrite, (x.dtype, w.dtype)
-        return y.view(*lead, w.shape[0])
+        return y[:lead.numel()].view(*lead, w.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x8t, sx, w8, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         lead, n = dy.shape[:-1], dy.shape[-1]
-        dy8, sdy = quantize(dy.reshape(-1, n), E5M2)
-        dx = _mm(dy8, sdy, _col_major(w8), sw, x_dtype).view(*lead, w8.shape[1])
+        dy8, sdy = quantize(_pad_rows(dy.reshape(-1, n)), E5M2)
+        dx = _mm(dy8, sdy, _col_major(w8), sw, x_dtype)[:lead.numel()].view(*lead, w8.shape[1])
         dy8t = dy8.t().contiguous()
         if ctx.main_grad is None:
             return dx, wgrad(dy8t, sdy, x8t, sx).to(w_dtype), None, None
