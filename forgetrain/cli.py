@@ -252,6 +252,16 @@ def check_out_dir(key: str, path) -> None:
         raise ConfigError(f"{key}={path} cannot be created: {p} is not writable")
 
 
+def _triton_interpreter_default() -> None:
+    """Without a CUDA device, Triton kernels (``kernels.*=triton``) run in Triton's CPU interpreter, which reads
+    ``TRITON_INTERPRET`` when Triton is first imported. megatron-core imports Triton too, before any forged kernel
+    module, so the variable is set here, at the start of every command, unless the caller has set it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
     """Run ``task(cfg)`` under ``@hydra.main`` with ForgeTrain's conf dir and one-line error handling."""
     import hydra
@@ -260,6 +270,7 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
     from forgetrain.errors import ForgeTrainError, print_error
 
     _quiet_libraries()
+    _triton_interpreter_default()
     argv = sys.argv[1:] if argv is None else argv
     try:
         if "--help" in argv or "-h" in argv:  # the command's own help, not Hydra's generic one (--hydra-help)

@@ -490,6 +490,15 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.engine.compile_tuning != "none" and cfg.engine.mode != "fast":
         raise ConfigError(f"engine.compile_tuning={cfg.engine.compile_tuning} needs engine.mode=fast (exact mode "
                           f"compiles nothing); drop engine.compile_tuning")
+    if not reference and cfg.engine.compile and cfg.hardware.device == "cpu":
+        from forgetrain.kernels import switches as _sw
+
+        tri = [f"kernels.{x.name}=triton" for x in _sw.SWITCHES
+               if x.in_layers and getattr(cfg.kernels, x.name, None) == "triton"]
+        if tri:
+            raise ConfigError(f"engine.compile=true cannot run Triton kernels on CPU ({', '.join(tri)}: Triton's CPU "
+                              "interpreter does not run inside torch.compile); set engine.compile=false, or those "
+                              "kernels to torch")
     if cfg.engine.fp8 not in FP8_RECIPES:
         raise ConfigError(f"engine.fp8 must be {'|'.join(FP8_RECIPES)}, got '{cfg.engine.fp8}'")
     if cfg.engine.fp8 != "none" and cfg.engine.mode != "fast":

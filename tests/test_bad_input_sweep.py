@@ -156,7 +156,8 @@ CASES = [
      "block:torchtitan"),
     # a forged kernel (the Hopper scenarios' fast default runs Triton kernels; the first one checked, the packed
     # SwiGLU since llama1b_h200 runs it, is named) without Triton installed
-    ("train_triton_not_installed", T, [*M, "scenario=llama1b_h200", "hardware=cpu", "train.lr_warmup_steps=1"],
+    ("train_triton_not_installed", T, [*M, "scenario=llama1b_h200", "hardware=cpu", "engine.compile=false",
+                                       "train.lr_warmup_steps=1"],
      "kernels.swiglu=triton needs the optional 'kernels' extra", "block:triton"),
     ("bench_zero_steps", B, [*M, "bench.steps=0"], "bench.steps must be >= 1", None),
     ("bench_unknown_reference", B, [*M, "bench.against=[nope]"], "unknown reference 'nope'", None),

@@ -252,3 +252,9 @@ def test_resume_names_a_changed_engine_setting(tmp_path):
         b.stderr[-2000:]
     c = _train(out, "train.resume=true", "train.steps=8")  # b's checkpoint, b's engine: no such warning
     assert c.returncode == 0 and "engine settings different" not in c.stderr, c.stderr[-2000:]
+
+
+def test_the_run_banner_names_fp8(tmp_path):
+    p = _train(tmp_path / "run", "engine.fp8=tensorwise", "train.steps=2")
+    assert p.returncode == 0 and "bf16 (FP8 GEMMs in the decoder layers: engine.fp8=tensorwise) on cpu" in p.stderr, \
+        p.stderr[-2000:]

@@ -168,3 +168,31 @@ def test_non_forged_values_need_no_seal(tmp_path):
     reg.write_text(json.dumps({"format": 1, "kernels": {}}))
     switches.check(KernelsConfig(cross_entropy="chunked", adamw="fused"), Hopper, "llama1b_h200", "fast", "cuda",
                    registry=reg)
+
+
+def test_compile_with_a_triton_kernel_inside_the_layers_is_refused_on_cpu(tmp_path):
+    """Triton's CPU interpreter cannot run inside torch.compile (it crashed minutes into the run): the pair is one
+    error line before anything is written; without compile the same kernels run."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama1b_h200", "hardware=cpu", "model=llama_micro",
+                        "train.lr_warmup_steps=1", f"train.out_dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    lines = [x for x in p.stderr.strip().splitlines() if x]
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines[-1].startswith("error: engine.compile=true cannot run Triton kernels on CPU (kernels.swiglu=triton:"), \
+        lines[-1]
+    assert not out.exists()
+
+
+def test_cli_runs_a_triton_kernel_on_cpu_without_triton_interpret_set(tmp_path):
+    """megatron-core imports Triton before any forged kernel module; the CLI sets TRITON_INTERPRET=1 first when no
+    CUDA device is visible, so a Triton kernel switch runs on CPU without the caller setting it."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama1b_h200", "hardware=cpu", "model=llama_micro",
+                        "engine.compile=false", "engine.onepass_optimizer=false", "kernels.adamw=torch",
+                        "kernels.ce_chunk=torch", "train.steps=1", "train.lr_warmup_steps=0", "train.threads=1",
+                        f"train.out_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -50,7 +50,9 @@ class Switch:
     """``kernels.<name>``. ``kernel``: the module under :mod:`forgetrain.kernels` holding the forged kernel (None:
     the switch has no forged value); ``api``: that module's public functions, the first one being the kernel;
     ``needs``: ``((switch, value), ...)`` that every non-default value of this switch requires (it switches a
-    part of that value's code path; :func:`forgetrain.config.validate` refuses it otherwise)."""
+    part of that value's code path; :func:`forgetrain.config.validate` refuses it otherwise); ``in_layers``: the
+    kernel runs inside the decoder layers, which ``engine.compile`` compiles (on CPU Triton's interpreter cannot run
+    there, so validate refuses that pair)."""
 
     name: str
     default: str
@@ -58,6 +60,7 @@ class Switch:
     kernel: str | None = None
     api: tuple = ()
     needs: tuple = ()
+    in_layers: bool = False
 
     def required(self, value: str) -> dict:
         """``{switch: value}`` that setting this switch to ``value`` needs (``needs``, for every non-default value:
@@ -76,9 +79,9 @@ _TORCH = Value("torch", "bitwise", "the plain torch op, as Megatron-core runs it
 _TRITON = Value("triton", "tolerance", "the forged Triton kernel (validated against an fp64 oracle)", forged=True)
 
 SWITCHES: tuple[Switch, ...] = (
-    Switch("rmsnorm", "torch", (_TORCH, _TRITON), "rmsnorm", ("rmsnorm_residual",)),
-    Switch("swiglu", "torch", (_TORCH, _TRITON), "swiglu", ("swiglu", "swiglu_packed")),
-    Switch("rope", "torch", (_TORCH, _TRITON), "rope", ("apply_rope", "rope_tables")),
+    Switch("rmsnorm", "torch", (_TORCH, _TRITON), "rmsnorm", ("rmsnorm_residual",), in_layers=True),
+    Switch("swiglu", "torch", (_TORCH, _TRITON), "swiglu", ("swiglu", "swiglu_packed"), in_layers=True),
+    Switch("rope", "torch", (_TORCH, _TRITON), "rope", ("apply_rope", "rope_tables"), in_layers=True),
     Switch("cross_entropy", "torch", (
         Value("torch", "bitwise", "full logits, then cross-entropy"),
         Value("chunked", "tolerance", "LM head + cross-entropy per token chunk (logsumexp form; dW per chunk)"),
