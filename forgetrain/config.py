@@ -490,15 +490,6 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     if cfg.engine.compile_tuning != "none" and cfg.engine.mode != "fast":
         raise ConfigError(f"engine.compile_tuning={cfg.engine.compile_tuning} needs engine.mode=fast (exact mode "
                           f"compiles nothing); drop engine.compile_tuning")
-    if not reference and cfg.engine.compile and cfg.hardware.device == "cpu":
-        from forgetrain.kernels import switches as _sw
-
-        tri = [f"kernels.{x.name}=triton" for x in _sw.SWITCHES
-               if x.in_layers and getattr(cfg.kernels, x.name, None) == "triton"]
-        if tri:
-            raise ConfigError(f"engine.compile=true cannot run Triton kernels on CPU ({', '.join(tri)}: Triton's CPU "
-                              "interpreter does not run inside torch.compile); set engine.compile=false, or those "
-                              "kernels to torch")
     if cfg.engine.fp8 not in FP8_RECIPES:
         raise ConfigError(f"engine.fp8 must be {'|'.join(FP8_RECIPES)}, got '{cfg.engine.fp8}'")
     if cfg.engine.fp8 != "none" and cfg.engine.mode != "fast":
@@ -562,6 +553,15 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     # before the kernel switches: a model that cannot fit this machine is the first thing to learn (one error, not
     # a switch fix and then the refusal); still before any engine is built
     memory.check(cfg)
+    if not reference and cfg.engine.compile and cfg.hardware.device == "cpu":
+        from forgetrain.kernels import switches as _sw
+
+        tri = [f"kernels.{x.name}=triton" for x in _sw.SWITCHES
+               if x.in_layers and getattr(cfg.kernels, x.name, None) == "triton"]
+        if tri:
+            raise ConfigError(f"engine.compile=true cannot run Triton kernels on CPU ({', '.join(tri)}: Triton's CPU "
+                              "interpreter does not run inside torch.compile); set engine.compile=false, or those "
+                              "kernels to torch")
     if not reference:
         switches.check(cfg.kernels, engine_cls, f"{engine_cls.__module__}:{engine_cls.__qualname__}",
                        cfg.engine.mode, cfg.hardware.device)

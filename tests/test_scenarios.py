@@ -21,7 +21,8 @@ from forgetrain.errors import ConfigError
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["hardware=cpu", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
         "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=176", "model.seq_length=16",
-        "engine.compile=false", "kernels.cross_entropy=torch", "kernels.adamw=torch", "train.precision=fp32"]
+        "engine.compile=false", "kernels.cross_entropy=torch", "kernels.adamw=torch", "train.precision=fp32",
+        "kernels.swiglu=torch", "kernels.ce_chunk=torch"]
 # llama8b_h200's device-only layout (its default offloads the AdamW moments to host memory instead)
 DEVICE_ONLY = ["engine.optimizer_offload_fraction=0", "engine.recompute=full", "engine.bf16_weights=per_layer"]
 
