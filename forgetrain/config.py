@@ -554,9 +554,7 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     # a switch fix and then the refusal); still before any engine is built
     memory.check(cfg)
     if not reference and cfg.engine.compile and cfg.hardware.device == "cpu":
-        from forgetrain.kernels import switches as _sw
-
-        tri = [f"kernels.{x.name}=triton" for x in _sw.SWITCHES
+        tri = [f"kernels.{x.name}=triton" for x in switches.SWITCHES
                if x.in_layers and getattr(cfg.kernels, x.name, None) == "triton"]
         if tri:
             raise ConfigError(f"engine.compile=true cannot run Triton kernels on CPU ({', '.join(tri)}: Triton's CPU "
