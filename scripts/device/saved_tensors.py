@@ -19,8 +19,9 @@ Usage (GPU; the defaults are Llama-3-8B's layer at seq 8192, micro-batch 1)::
 ``--fp8`` runs its four linear layers in FP8 (``engine.fp8=tensorwise``). On a GPU the allocator's count (what the
 forward leaves allocated, less its output, plus x) is printed beside the hooks' total: it also sees what a compiled
 graph saves out of the hooks' sight. ``--fused`` runs the layer with gradient-accumulation fusion
-(``engine.grad_accum_fusion``: the weight gradients go to fp32 main_grad buffers, the linear layers are custom autograd functions). On CPU it runs too (tiny shapes; CPU
-inductor saves differently from CUDA's, so only the GPU's numbers calibrate the estimate).
+(``engine.grad_accum_fusion``: the weight gradients go to fp32 main_grad buffers, the linear layers are custom
+autograd functions). On CPU it runs too (tiny shapes; CPU inductor saves differently from CUDA's, so only the GPU's
+numbers calibrate the estimate).
 Errors: exits with ``error:`` on a shape whose heads do not divide (``--heads`` by ``--groups``).
 """
 
