@@ -391,12 +391,11 @@ def _setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: s
     train_w = TokenWindows(data.train_prefix, cfg.model.seq_length, cfg.train.seed)
     valid_w = TokenWindows(data.valid_prefix, cfg.model.seq_length, cfg.train.seed) if data.valid_prefix else None
 
-    torch.manual_seed(cfg.train.seed)
     name = engine_name or cfg.scenario.name
     if engine_cls is None:
         engine_cls = (registry.resolve_engine(cfg.scenario.engine) if kind == "scenarios"
                       else registry.load_engine_class(kind, name))
-    engine = engine_cls(cfg, device)
+    engine = build_engine(cfg, device, engine_cls)
     if init_hf is not None:
         engine.load_hf_weights(init_hf)
     if export_init and not cfg.train.resume:
@@ -415,6 +414,14 @@ def _setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: s
                 train_w=train_w, valid_w=valid_w, engine=engine, ga=ga, dp=p.data_parallel_size,
                 dp_rank=env.rank // p.tensor_parallel_size, tokens_per_step=t.global_batch_size * cfg.model.seq_length,
                 peak=peak, peak_label=peak_label)
+
+
+def build_engine(cfg: RunConfig, device: torch.device, engine_cls):
+    """The engine of a run, with its initial weights: the global torch seed set to ``train.seed``, then
+    ``engine_cls(cfg, device)``. Every run builds its engine here, so an init rebuilt from a seed without data or
+    training (``forgetrain.verify.reference_init``) is the run's own."""
+    torch.manual_seed(cfg.train.seed)
+    return engine_cls(cfg, device)
 
 
 def _check_resumable(ckpt_root: Path) -> None:

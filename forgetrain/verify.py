@@ -49,6 +49,19 @@ class VerifyConfig:
     regenerate: bool = False  # re-run the reference and store it as the golden
     make_golden: bool = False  # only run the reference and store it as the golden; no candidate, no verdict
     seeds: list = field(default_factory=lambda: [1234, 1235, 1236])  # loss-curve calibration seeds (>= 3)
+    # curve tiers: judge paired (the candidate from each reference seed's init, reading its batches). null: paired
+    # wherever every seed's reference init can be had (a live reference, or a golden that stores its init hashes),
+    # else unpaired with a note; true: paired or refuse; false: unpaired only
+    paired: Optional[bool] = None
+    # curve tiers: the unpaired runs' seeds (the candidate's own init and data order; >= 3 for the two-sample
+    # test, none of them a reference seed); [] skips the unpaired check
+    candidate_seeds: list = field(default_factory=lambda: [2234, 2235, 2236])
+    # curve tiers with a golden: keep the reference inits regenerated from the seeds here (a safetensors file per
+    # seed, checked against the golden's sha256 before each reuse); null regenerates them every time
+    init_cache: Optional[str] = None
+    # loss-curve golden made before init hashes were stored: regenerate each seed's reference init and record its
+    # sha256 beside the trace (same versions and device as the trace's meta.json, else refused); no candidate
+    pin_init: bool = False
     resume_at: Optional[int] = None  # stop the candidate at this step and resume it
     timing_steps: int = 10  # surpass: timed steps per engine (per block under A-B-A) after warmup
     out_dir: Optional[str] = None  # defaults to Hydra's run directory
@@ -102,15 +115,55 @@ def curve_golden_dir(cfg: RunConfig, vcfg: VerifyConfig) -> Path:
 
 
 def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, seed: int | None = None,
-                  final_params: bool = True) -> Path:
-    """Run the reference for ``steps``; returns its output dir (trace/ and init.safetensors inside)."""
+                  final_params: bool = True, export_init: bool | None = None) -> Path:
+    """Run the reference for ``steps``; returns its output dir (trace/, and init.safetensors when ``export_init``,
+    which defaults to ``final_params``)."""
     from forgetrain.train import train
 
     over = {"steps": steps, "digests": vcfg.digests}
     if seed is not None:
         over["seed"] = seed
     return train(_run_cfg(cfg, out, **over), kind="references", engine_name=vcfg.reference, progress=False,
-                 export_init=final_params, final_params=final_params)
+                 export_init=final_params if export_init is None else export_init, final_params=final_params)
+
+
+def init_sha256(state: dict) -> str:
+    """sha256 of HF-layout weights: for each name in sorted order, the name, dtype, shape and the tensor's raw
+    bytes (C order, on the CPU). Equal hashes mean bit-identical weights under the same names."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def reference_init(cfg: RunConfig, vcfg: VerifyConfig, seed: int) -> dict:
+    """Seed ``seed``'s reference init weights (HF layout, fp32, CPU), rebuilt from the seed alone: the reference
+    engine is built as a ``curve_steps`` run of that seed builds it (:func:`forgetrain.train.build_engine`), and
+    its weights are exported; no data is read and no step is taken. The device memory is freed afterwards.
+    Megatron-core's init is deterministic in the seed on one platform and software stack; the golden's sha256
+    (``init.json``) proves it."""
+    import os
+
+    import torch
+
+    from forgetrain import registry
+    from forgetrain.distributed import set_deterministic
+    from forgetrain.train import build_engine
+
+    rc = _run_cfg(cfg, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed)
+    set_deterministic(rc.train.deterministic, rc.hardware.device)
+    device = torch.device("cpu" if rc.hardware.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    engine = build_engine(rc, device, registry.load_engine_class("references", vcfg.reference))
+    state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in engine.export_hf_weights().items()}
+    del engine
+    _release_device_memory()
+    return state
 
 
 def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path) -> Path:
@@ -123,15 +176,16 @@ def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, step
                  init_hf=load_file(str(init)), progress=False)
 
 
-def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path | None,
+def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path | dict | None,
                   engine_cls=None, seed: int | None = None, final_params: bool = True) -> Path:
-    """Run the forged engine from ``init`` (HF safetensors) for ``steps``, optionally stopping and resuming.
-    Leaves no checkpoint behind: the resume gate's is deleted once the resumed run has finished."""
+    """Run the forged engine from ``init`` (an HF safetensors file, or the HF-layout state itself; None: the
+    engine's own init) for ``steps``, optionally stopping and resuming. Leaves no checkpoint behind: the resume
+    gate's is deleted once the resumed run has finished."""
     from safetensors.torch import load_file
 
     from forgetrain.train import train
 
-    init_hf = load_file(str(init)) if init is not None else None
+    init_hf = load_file(str(init)) if isinstance(init, (str, Path)) else init
     over = {"steps": steps, "digests": vcfg.digests}
     if seed is not None:
         over["seed"] = seed
@@ -148,6 +202,143 @@ def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, ini
                 shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return train(_run_cfg(cfg, out, **over), init_hf=init_hf, progress=False, engine_cls=engine_cls,
                  final_params=final_params)
+
+
+def curve_candidate_runs(cfg: RunConfig, vcfg: VerifyConfig, out: Path, inits: list | None, engine_cls=None):
+    """The candidate's runs of a curve tier, ``verify.curve_steps`` steps each, without digests: paired, one per
+    reference seed in ``verify.seeds`` from that seed's reference init (``inits``: per seed a safetensors path, or a
+    callable returning the HF-layout state; None: no paired runs), reading that seed's batches; unpaired, one per
+    ``verify.candidate_seeds`` from the candidate's own init and data order. Each run's progress is one line on
+    stderr. Returns a :class:`forgetrain.equivalence.tiers.loss_curve.CurveRuns` of trace directories."""
+    from forgetrain.equivalence.tiers.loss_curve import CurveRuns
+
+    vq = dataclasses.replace(vcfg, digests=False)
+    plan = [("paired", s, init) for s, init in zip(vcfg.seeds, inits)] if inits is not None else []
+    plan += [("unpaired", u, None) for u in vcfg.candidate_seeds]
+    paired, unpaired = [], []
+    for i, (kind, seed, init) in enumerate(plan, 1):
+        if _is_rank0():
+            how = f"from reference seed {seed}'s init, its batches" if kind == "paired" else \
+                f"from its own init, seed {seed}"
+            print(f"candidate run {i}/{len(plan)}: {kind}, {how}, {vcfg.curve_steps} steps", file=sys.stderr,
+                  flush=True)
+        state = init() if callable(init) else init
+        d = out / (f"candidate_paired_seed{seed}" if kind == "paired" else f"candidate_seed{seed}")
+        (paired if kind == "paired" else unpaired).append(
+            run_candidate(cfg, vq, d, vcfg.curve_steps, state, engine_cls, seed=seed, final_params=False) / "trace")
+        del state
+        _release_device_memory()
+    return CurveRuns(tuple(paired), tuple(unpaired))
+
+
+def _release_device_memory() -> None:
+    """Between two engines in one process: drop the finished one's compiled graphs and cached device memory, so
+    the next one starts with the device's memory free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch._dynamo.reset()  # compiled frames keep the finished engine's modules alive
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _golden_init_hashes(gdir: Path, seeds: list) -> dict | None:
+    """``{seed: sha256}`` of each seed's reference init stored in the golden (``seed_<N>/init.json``), or None
+    when any seed lacks one (a golden made before init hashes were stored). Raises ConfigError on a damaged
+    file."""
+    import json
+
+    out = {}
+    for s in seeds:
+        f = gdir / f"seed_{s}" / "init.json"
+        if not f.is_file():
+            return None
+        try:
+            out[s] = str(json.loads(f.read_text())["sha256"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{f} is damaged ({type(e).__name__}: {e}); remake it with verify.pin_init=true "
+                              f"\"verify.seeds=[{s}]\"") from e
+    return out
+
+
+def golden_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path, seed: int, sha: str) -> dict:
+    """Seed ``seed``'s reference init for a paired run against the golden ``gdir``: from ``verify.init_cache`` when
+    a copy there still hashes to ``sha``, else regenerated from the seed (:func:`reference_init`) and kept there.
+    Raises ConfigError (one line) when the regenerated init's sha256 differs from the golden's: the candidate would
+    not start where the golden's reference started."""
+    from safetensors.torch import load_file, save
+
+    from forgetrain.trace import atomic_write_bytes
+
+    cache = Path(vcfg.init_cache) / gdir.name / f"seed_{seed}.safetensors" if vcfg.init_cache else None
+    if cache is not None and cache.is_file():
+        try:
+            state = load_file(str(cache))
+            if init_sha256(state) == sha:
+                return state
+        except Exception:  # noqa: BLE001 - a damaged cache entry is regenerated
+            pass
+        print(f"warning: {cache} does not hash to the golden's init of seed {seed}; regenerating it",
+              file=sys.stderr)
+    state = reference_init(cfg, vcfg, seed)
+    got = init_sha256(state)
+    if got != sha:
+        raise ConfigError(f"the reference init regenerated from seed {seed} has sha256 {got[:16]}..., the golden "
+                          f"{gdir.name} stores {sha[:16]}...: this platform, reference version or config does not "
+                          f"rebuild the golden's init; judge unpaired (verify.paired=false) or remake the golden "
+                          f"(verify.make_golden=true)")
+    if cache is not None and _is_rank0():
+        atomic_write_bytes(cache, save(state))
+    return state
+
+
+def _write_init_hash(seed_dir: Path, state: dict, recorded: str) -> str:
+    """Write ``seed_dir/init.json``: the sha256 of the reference init a golden seed starts from, how it was
+    recorded, and the versions that made it. Returns the hash."""
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import versions
+
+    sha, n = init_sha256(state), sum(int(v.numel()) for v in state.values())
+    atomic_write_json(seed_dir / "init.json", {"sha256": sha, "n_params": n, "recorded": recorded,
+                                               "versions": versions()})
+    return sha
+
+
+def pin_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path) -> None:
+    """``verify.pin_init=true``: for each seed in ``verify.seeds`` of the loss-curve golden ``gdir``, regenerate the
+    reference init from the seed and record its sha256 (``init.json``), so the golden allows paired runs. Refused
+    (ConfigError) when a seed's trace is missing, or the trace was made with another torch / reference version or
+    on another GPU than this process runs: the hash would not prove the trace's init. With ``verify.init_cache``
+    the inits are kept there for the paired runs that follow."""
+    import json
+
+    from forgetrain.train import versions
+
+    traces = _curve_golden_traces(gdir, vcfg)
+    now = versions()
+    for s, t in zip(vcfg.seeds, traces):
+        made = json.loads((t / "meta.json").read_text()).get("versions", {})
+        diff = [f"{k} {made.get(k)} -> {now.get(k)}" for k in ("torch", "megatron-core", "gpu", "cuda")
+                if made.get(k) != now.get(k)]
+        if diff:
+            raise ConfigError(f"the golden {t} was made with other versions than this process runs "
+                              f"({'; '.join(diff)}); its init cannot be pinned here: remake it with "
+                              f"verify.make_golden=true \"verify.seeds=[{s}]\"")
+        state = reference_init(cfg, vcfg, s)
+        if _is_rank0():
+            sha = _write_init_hash(t.parent, state, "regenerated from the seed after the trace was made, with the "
+                                                    "trace's versions and device")
+            print(f"init of seed {s}: sha256 {sha[:16]}... recorded in {t.parent / 'init.json'}", file=sys.stderr)
+            if vcfg.init_cache:  # the paired runs that follow read it from there
+                from safetensors.torch import save
+
+                from forgetrain.trace import atomic_write_bytes
+
+                atomic_write_bytes(Path(vcfg.init_cache) / gdir.name / f"seed_{s}.safetensors", save(state))
+        del state
 
 
 def _tier(tier_name: str):
@@ -180,9 +371,10 @@ def reference_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, 
 
 def candidate_trace(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, init: Path | None,
                     engine_cls=None) -> Path:
-    """Run the candidate the way ``tier_name`` judges it and return its trace dir: a ``pair`` tier runs
+    """Run the candidate once the way ``tier_name`` judges it and return its trace dir: a ``pair`` tier runs
     ``verify.steps`` steps from the reference's ``init`` weights with digests; a ``curve`` or ``speed`` tier runs
-    ``verify.curve_steps`` steps from the candidate's own init with the first reference seed, without digests."""
+    one unpaired run of ``verify.curve_steps`` steps from the candidate's own init with the first reference seed,
+    without digests (the forge's gate; verify itself runs :func:`curve_candidate_runs`)."""
     from forgetrain.equivalence import registry
 
     if _tier(tier_name).kind == registry.PAIR:
@@ -192,15 +384,18 @@ def candidate_trace(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Pat
                          final_params=False) / "trace"
 
 
-def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand: Path, out: Path | None = None, *,
+def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand, out: Path | None = None, *,
           oracle: Path | None = None, times: tuple[list, list] | None = None) -> list:
     """The verdicts of ``tier_name`` from traces alone (no engine runs here): ``refs`` are the reference trace
-    dirs (one for a pair tier, one per seed for a curve or speed tier), ``cand`` the candidate's, ``oracle`` the
+    dirs (one for a pair tier, one per seed for a curve or speed tier), ``cand`` the candidate's trace dir (a
+    curve or speed tier also takes a ``CurveRuns`` of paired and unpaired runs), ``oracle`` the
     fp32 oracle trace (a pair tier with ``oracle``, reduced precision), ``times`` (reference step seconds,
     candidate step seconds) for a speed tier, whose curve tier's verdict comes first. Writes the report into
     ``out`` when given (rank 0). Raises ValueError when a speed tier gets no timings."""
     from forgetrain import equivalence as eq
     from forgetrain.equivalence import registry
+
+    from forgetrain.equivalence.tiers.loss_curve import CurveRuns
 
     tier = _tier(tier_name)
     if tier.kind == registry.PAIR:
@@ -215,7 +410,7 @@ def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand: Path, out: Pat
         verdicts = [curve.judge()(refs, cand, dict(eq.load_tier(curve.name)))]
         verdicts.append(tier.judge()(verdicts[0], times[0], times[1], tier_cfg))
     if out is not None and _is_rank0():
-        eq.write_report(verdicts, out, refs, cand)
+        eq.write_report(verdicts, out, refs, cand.first if isinstance(cand, CurveRuns) else cand)
     return verdicts
 
 
@@ -264,29 +459,62 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             oracle = reference_oracle(cfg, vcfg, out / "oracle_fp32", steps, ref / "init.safetensors")
         return judge(tier_name, tier_cfg, [ref / "trace"], cand, out, oracle=oracle / "trace" if oracle else None)
     # a curve tier, or a speed tier and the curve tier it rests on
-    steps = vcfg.curve_steps
-    vq = dataclasses.replace(vcfg, digests=False)
     gdir = curve_golden_dir(cfg, vcfg)
-    if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
-        refs = _curve_golden_traces(gdir, vcfg)
-        if _is_rank0():
-            print(f"reference: the stored golden {gdir}, seeds {list(vcfg.seeds)} (not re-run)", file=sys.stderr)
-    else:
-        refs = []
-        for s in vcfg.seeds:
-            ref = run_reference(cfg, vq, out / f"reference_seed{s}", steps, seed=s, final_params=False)
-            if (vcfg.regenerate or vcfg.make_golden) and _is_rank0():
-                _store_golden(ref, gdir / f"seed_{s}", with_init=False)
-            refs.append(ref / "trace")
-        if vcfg.make_golden:
-            return []
-    cand = candidate_trace(cfg, vcfg, tier_name, out / "candidate", None, engine_cls)
+    if vcfg.pin_init:
+        pin_init(cfg, vcfg, gdir)
+        return []
+    refs, inits = _curve_references(cfg, vcfg, out, gdir)
+    if vcfg.make_golden:
+        return []
+    cand = curve_candidate_runs(cfg, vcfg, out, inits, engine_cls)
+    for init in inits or []:  # a live reference's exported inits: rebuilt from the seed when needed again
+        if isinstance(init, Path) and _is_rank0():
+            init.unlink(missing_ok=True)
     times = None
     if tier.kind == registry.SPEED:
         from forgetrain.bench import side_by_side_step_times
 
         times = side_by_side_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
     return judge(tier_name, tier_cfg, refs, cand, out, times=times)
+
+
+def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path) -> tuple[list[Path], list | None]:
+    """The reference traces of a curve tier (one per seed in ``verify.seeds``: the stored golden's, or live runs,
+    stored as the golden when asked) and where each seed's reference init comes from for paired runs: a path of
+    a live run's export, a callable regenerating it against the golden's hash, or None for no pairing
+    (``verify.paired``, or a golden without init hashes: unpaired, with a note). Raises ConfigError when
+    ``verify.paired=true`` cannot be honoured."""
+    vq = dataclasses.replace(vcfg, digests=False)
+    want = vcfg.paired is not False
+    if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
+        refs = _curve_golden_traces(gdir, vcfg)
+        hashes = _golden_init_hashes(gdir, list(vcfg.seeds)) if want else None
+        if _is_rank0():
+            print(f"reference: the stored golden {gdir}, seeds {list(vcfg.seeds)} (not re-run)", file=sys.stderr)
+        if want and hashes is None:
+            why = (f"the golden {gdir.name} stores no init hash for every seed, so paired runs cannot start from "
+                   f"its inits; record them with verify.pin_init=true")
+            if vcfg.paired:
+                raise ConfigError(f"verify.paired=true: {why}")
+            if _is_rank0():
+                print(f"note: judged unpaired only: {why}", file=sys.stderr)
+        if hashes is None:
+            return refs, None
+        return refs, [lambda s=s: golden_init(cfg, vcfg, gdir, s, hashes[s]) for s in vcfg.seeds]
+    store = (vcfg.regenerate or vcfg.make_golden) and _is_rank0()
+    refs, inits = [], []
+    for s in vcfg.seeds:
+        ref = run_reference(cfg, vq, out / f"reference_seed{s}", vcfg.curve_steps, seed=s, final_params=False,
+                            export_init=want or store)
+        if store:
+            _store_golden(ref, gdir / f"seed_{s}", with_init=False)
+            from safetensors.torch import load_file
+
+            _write_init_hash(gdir / f"seed_{s}", load_file(str(ref / "init.safetensors")),
+                             "exported by the reference run that made the trace")
+        refs.append(ref / "trace")
+        inits.append(ref / "init.safetensors")
+    return refs, inits if want else None
 
 
 def check_request(obj: dict) -> None:
@@ -323,9 +551,35 @@ def _check_request(vcfg: VerifyConfig, tier) -> None:
         raise ConfigError(f"tier={tier.name} compares per-step digests; drop verify.digests=false")
     if tier.kind == PAIR and vcfg.resume_at is not None and not 0 < vcfg.resume_at < vcfg.steps:
         raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, verify.steps={vcfg.steps})")
-    if tier.kind != PAIR and len(vcfg.seeds) < (1 if vcfg.make_golden else 3):  # a golden: seed by seed
+    if tier.kind != PAIR and len(vcfg.seeds) < (1 if (vcfg.make_golden or vcfg.pin_init) else 3):  # seed by seed
         curve = tier.name if tier.rests_on is None else tier.rests_on
         raise ConfigError(f"{curve} needs >= 3 reference seeds, got verify.seeds={list(vcfg.seeds)}")
+    _check_curve_request(vcfg, tier)
+
+
+def _check_curve_request(vcfg: VerifyConfig, tier) -> None:
+    """The curve tiers' own options (paired, candidate_seeds, pin_init). Raises ConfigError."""
+    from forgetrain.equivalence.registry import PAIR
+
+    if vcfg.paired not in (None, True, False):
+        raise ConfigError(f"verify.paired must be true, false or null, got {vcfg.paired!r}")
+    seeds = list(vcfg.candidate_seeds)
+    if any(isinstance(u, bool) or not isinstance(u, int) for u in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"verify.candidate_seeds must be distinct integers, got {seeds}")
+    shared = sorted(set(seeds) & set(vcfg.seeds))
+    if shared:
+        raise ConfigError(f"verify.candidate_seeds {shared} are reference seeds too: an unpaired run must not share "
+                          f"its data order with a reference seed; pick others")
+    if vcfg.pin_init and (tier.kind == PAIR or vcfg.make_golden or vcfg.regenerate or not vcfg.golden):
+        raise ConfigError("verify.pin_init=true records the init hashes of a stored loss-curve golden: use it with "
+                          "tier=loss_curve verify.golden=true, without make_golden or regenerate")
+    if tier.kind != PAIR and not (vcfg.make_golden or vcfg.pin_init):
+        if vcfg.paired is False and not seeds:
+            raise ConfigError("verify.paired=false with verify.candidate_seeds=[] leaves no candidate run to judge")
+        if 0 < len(seeds) < 3:
+            raise ConfigError(f"the unpaired check compares >= 3 candidate seeds with the reference seeds (a "
+                              f"two-sample test), got verify.candidate_seeds={seeds}; give 3 or more, or [] to "
+                              f"skip it")
 
 
 def _check_golden(gdir: Path) -> None:
@@ -441,11 +695,11 @@ def verify_task(cfg) -> None:
         from forgetrain.train import _record_config
 
         _record_config(out, cfg, resume=False)  # beside the report: the request that produced it
-    if vcfg.make_golden:
+    if vcfg.make_golden or vcfg.pin_init:
         if env.rank == 0:
             pair = registry.find(td["name"]).kind == registry.PAIR
             where = golden_dir(rc, td["name"]) if pair else curve_golden_dir(rc, vcfg)
-            print(f"golden stored: {where}", file=sys.stderr)
+            print(f"golden {'init hashes recorded' if vcfg.pin_init else 'stored'}: {where}", file=sys.stderr)
         sys.exit(0)
     if env.rank == 0:
         eq.print_verdict_table(verdicts)

@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from forgetrain.engine import forward_names, hf_param_names
+from forgetrain.equivalence.tiers.loss_curve import CurveRuns
 from forgetrain.equivalence import (TIER_ORDER, Verdict, bitwise, ladder, load_tier, loss_curve,
                                     print_verdict_table, surpass, t_quantile, tolerance, write_report)
 from forgetrain.errors import ConfigError
@@ -405,6 +406,62 @@ def seeds(tmp_path):
     return [_write_curve(tmp_path / f"ref{s}", _curve(s)) for s in range(4)]
 
 
+def _paired(tmp_path, name, shift=0.0, noise=0.0, chaos=0.004, n=4):
+    """A paired candidate run per reference seed of the ``seeds`` fixture: that seed's own curve (same init and
+    batches) plus ``shift``, run-to-run chaos (per-step sigma ``chaos``) and extra per-step loss noise ``noise``."""
+    rng = np.random.default_rng(abs(hash((name, shift, noise))) % 2**32)
+    return CurveRuns(paired=tuple(_write_curve(tmp_path / f"{name}_p{s}", _curve(s) + shift
+                                               + rng.normal(0, chaos, T) + rng.normal(0, noise, T) * (noise > 0))
+                                  for s in range(n)))
+
+
+def test_paired_passes_an_equivalent_candidate_and_fails_a_shift_of_one_percent(seeds, tmp_path):
+    """The paired test's power needs no calibration: delta (1% of the late loss, ~0.02 nats here) or more fails,
+    whatever the noise; the same shift sits deep inside the unpaired band (seed-to-seed spread)."""
+    ok = loss_curve(seeds, _paired(tmp_path, "ok"))
+    pe = ok.evidence["paired"]
+    assert ok.passed and pe["late_inside"] and pe["n_windows_outside"] == 0, ok.summary
+    assert pe["delta"] == pytest.approx(0.01 * pe["ref_late_mean"]) and pe["power"]["detects_rel"] == 0.01
+    assert pe["ci"][0] < pe["late_diff_mean"] < pe["ci"][1] and "CI" in ok.summary
+    shift = 1.2 * pe["delta"]
+    bad = loss_curve(seeds, _paired(tmp_path, "bad", shift=shift))
+    assert not bad.passed and "NOT inside" in bad.summary and bad.first_divergence["window"] == "late"
+    unpaired = loss_curve(seeds, _write_curve(tmp_path / "u", _curve(10) + shift))
+    assert unpaired.passed, unpaired.summary  # the band cannot see it
+    both = loss_curve(seeds, CurveRuns(paired=_paired(tmp_path, "b2", shift=shift).paired,
+                                       unpaired=(tmp_path / "u",)))
+    assert not both.passed and both.evidence["mode"] == "paired+unpaired"
+    assert "paired: FAIL" in both.summary and "unpaired: pass" in both.summary
+
+
+def test_paired_noise_makes_passing_harder(seeds, tmp_path):
+    """A candidate with added loss noise never passes where the honest one fails: its interval only widens."""
+    delta = 0.01 * 2.0
+    outcomes = []
+    for i, f in enumerate([0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.1]):
+        honest = loss_curve(seeds, _paired(tmp_path, f"h{i}", shift=f * delta)).passed
+        noisy = loss_curve(seeds, _paired(tmp_path, f"n{i}", shift=f * delta, noise=0.08)).passed
+        assert honest or not noisy, f"noisy passed a shift of {f} delta that the honest one failed"
+        outcomes.append((honest, noisy))
+    assert (True, False) in outcomes  # somewhere the noise alone costs the pass
+
+
+def test_paired_runs_must_match_the_reference_seeds(seeds, tmp_path):
+    v = loss_curve(seeds, _paired(tmp_path, "three", n=3))
+    assert not v.passed and "one candidate run per reference seed" in v.summary
+    with pytest.raises(TypeError):
+        loss_curve(seeds, CurveRuns())
+
+
+def test_paired_window_margin_catches_a_mid_run_departure(seeds, tmp_path):
+    """A candidate that departs mid-run and closes up again passes the late test but fails its windows."""
+    bump = np.where((np.arange(1, T + 1) > 60) & (np.arange(1, T + 1) <= 100), 0.1, 0.0)
+    runs = CurveRuns(paired=tuple(_write_curve(tmp_path / f"bump{s}", _curve(s) + bump) for s in range(4)))
+    v = loss_curve(seeds, runs)
+    assert not v.passed and v.evidence["paired"]["late_inside"] and "windows outside their margin" in v.summary
+    assert v.first_divergence["steps"][0] == 61
+
+
 def test_loss_curve_accepts_same_distribution(seeds, tmp_path):
     for s in range(10, 20):
         v = loss_curve(seeds, _write_curve(tmp_path / f"cand{s}", _curve(s)))
@@ -433,7 +490,7 @@ def test_loss_curve_rejects_consistent_drift_inside_band(seeds, tmp_path):
         assert v.evidence["n_outside"] == 0 and not v.evidence["drift"]["passed"]
         fd = v.first_divergence
         assert fd["window"] == "late" and fd["step"] == 141 and sign * fd["drift"] > limit
-        assert "late drift" in v.summary
+        assert "late diff" in v.summary
     assert loss_curve(seeds, tmp_path / "shift-1", {"drift_two_sided": False}).passed
 
 
@@ -477,8 +534,18 @@ def _timings(seed, median, n=20, rel_sd=0.05):
     return list(median * (1 + np.random.default_rng(seed).normal(0, rel_sd, n)))
 
 
-PASS = Verdict("loss_curve", True, "ok")
-FAIL = Verdict("loss_curve", False, "drift")
+PASS = Verdict("loss_curve", True, "ok", {"mode": "paired+unpaired"})
+FAIL = Verdict("loss_curve", False, "drift", {"mode": "paired+unpaired"})
+UNPAIRED_PASS = Verdict("loss_curve", True, "ok", {"mode": "unpaired"})
+
+
+def test_surpass_rests_on_the_paired_test():
+    """A loss-curve pass judged unpaired only (its band passes shifts of several percent) carries no speed claim,
+    however fast the candidate; a pair tier's verdict is paired by construction."""
+    v = surpass(UNPAIRED_PASS, _timings(0, 1.0), _timings(1, 0.7))
+    assert not v.passed and "unpaired only" in v.summary
+    assert surpass(Verdict("tolerance", True, "ok"), _timings(0, 1.0), _timings(1, 0.7)).passed
+    assert surpass(UNPAIRED_PASS, _timings(0, 1.0), _timings(1, 0.7), {"require_paired": False}).passed
 
 
 def test_surpass_accepts_clear_speedup():
@@ -519,13 +586,17 @@ def test_ladder_reports_strictest_tier(pair, seeds, tmp_path):
     res = ladder(["bitwise", "tolerance"], ref_dir=ref, cand_dir=make(_perturb(1e-8), "small"))
     assert res.strictest_passed == "tolerance" and not res.verdict("bitwise").passed
 
-    curve = _write_curve(tmp_path / "curve", _curve(10))
+    curve = _paired(tmp_path, "ladder")
     res = ladder(TIER_ORDER, ref_dir=ref, cand_dir=make(_perturb(1e-3), "big"), ref_dirs=seeds,
                  curve_cand_dir=curve, timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7))
     assert res.strictest_passed == "loss_curve" and res.surpassed is True
     res = ladder(["loss_curve", "surpass"], ref_dirs=seeds, curve_cand_dir=curve)
     assert res.strictest_passed == "loss_curve" and res.surpassed is False
     assert "missing input" in res.verdict("surpass").summary
+    one = _write_curve(tmp_path / "one", _curve(10))  # one unpaired run: equivalent, but no speed claim rests on it
+    res = ladder(["loss_curve", "surpass"], ref_dirs=seeds, curve_cand_dir=one, timings_ref=_timings(0, 1.0),
+                 timings_cand=_timings(1, 0.7))
+    assert res.strictest_passed == "loss_curve" and res.surpassed is False
     with pytest.raises(ValueError):
         ladder(["surpass"])
     with pytest.raises(ValueError):

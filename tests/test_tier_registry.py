@@ -22,7 +22,7 @@ from forgetrain.equivalence import TIER_ORDER as TIER_ORDER_IMPORTED_EARLY
 from forgetrain.equivalence.registry import CURVE, PAIR, SPEED, Tier
 from forgetrain.errors import ConfigError
 from forgetrain.forge import _ladder
-from tests.test_equivalence import _curve, _perturb, _timings, _write_curve, base_run, write_run
+from tests.test_equivalence import _curve, _paired, _perturb, _timings, _write_curve, base_run, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN = ("bitwise", "tolerance", "loss_curve", "surpass")
@@ -162,7 +162,7 @@ def test_fifth_tier_in_the_ladder_report_and_surpass(fifth_tier, tmp_path):
     _perturb(1e-3)(off)  # fails bitwise and fp32 tolerance; a 0.1% mean-loss shift passes consistency
     cand = write_run(tmp_path / "cand", off)
     seeds = [_write_curve(tmp_path / f"seed{s}", _curve(s)) for s in range(4)]
-    curve = _write_curve(tmp_path / "curve", _curve(10))
+    curve = _paired(tmp_path, "curve")  # the candidate from each seed's init and batches
     res = eq.ladder(eq.TIER_ORDER, ref_dir=ref, cand_dir=cand, ref_dirs=seeds, curve_cand_dir=curve,
                     timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7))
     assert [v.tier for v in res.verdicts] == ORDER5

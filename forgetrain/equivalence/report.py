@@ -118,7 +118,11 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
     ax1.legend(fontsize=8, loc="upper right")
     ax1.grid(alpha=0.3)
 
-    if refs and cand is not None:
+    paired = next((v.evidence["paired"] for v in verdicts if v.tier in curve_tiers and v.evidence.get("paired")),
+                  None)
+    if paired is not None:
+        _plot_paired(ax2, paired)
+    elif refs and cand is not None:
         common = sorted(set.intersection(*(set(s.tolist()) for _, (s, _) in refs), set(cand[0].tolist())))
         if common:
             def at(curve):
@@ -179,16 +183,43 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
     return path
 
 
+def _plot_paired(ax, pe: dict) -> None:
+    """The paired test on ``ax``: each window's mean paired difference (candidate - reference, same seed) with its
+    interval, inside the window's shaded margin, and the late interval against +-delta."""
+    for j, w in enumerate(pe["windows"]):
+        s0, s1 = w["steps"]
+        ax.fill_between([s0, s1], [-w["margin"]] * 2, [w["margin"]] * 2, color="0.88", zorder=0,
+                        label="window margin" if j == 0 else None)
+        mid = (s0 + s1) / 2
+        ax.errorbar([mid], [w["mean_diff"]], yerr=[[w["mean_diff"] - w["ci"][0]], [w["ci"][1] - w["mean_diff"]]],
+                    fmt="D", ms=4, color="tab:red" if w["inside"] else "black", capsize=2,
+                    label=f"mean paired diff, {pe['ci_level']:.0%} CI" if j == 0 else None)
+    late = [w for w in pe["windows"]][-max(1, len(pe["windows"]) // 4):]
+    x0, x1 = late[0]["steps"][0], late[-1]["steps"][1]
+    for y in (-pe["delta"], pe["delta"]):
+        ax.plot([x0, x1], [y, y], color="tab:blue", lw=1.2, label="late margin +-delta" if y > 0 else None)
+    ax.fill_between([x0, x1], [pe["ci"][0]] * 2, [pe["ci"][1]] * 2, color="tab:red", alpha=0.25,
+                    label="late difference CI")
+    ax.axhline(0.0, color="k", lw=0.5)
+    ax.set_ylabel("cand - ref, paired (nats)")
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+
+
 def write_report(verdicts: Sequence[Verdict] | LadderResult, out_dir: str | Path, ref_dirs: Any,
                  cand_dir: str | Path | None) -> dict[str, Path]:
     """Write ``out_dir/verdict.json`` (atomically) and ``out_dir/loss_curves.png``.
 
     Inputs: the verdicts (a list or a :class:`LadderResult`); the reference trace dir(s) (one path or a list)
-    and the candidate's trace dir, used for the plot and recorded in the JSON. The JSON holds ``schema``,
+    and the candidate's trace dir (or its curve runs: the first one is drawn), used for the plot and recorded in
+    the JSON. The JSON holds ``schema``,
     ``ref_dirs``, ``cand_dir``, ``strictest_passed``, ``surpassed``, ``all_passed`` and every verdict's dict.
     Returns ``{"verdict": path, "plot": path}``. Raises OSError when ``out_dir`` cannot be written.
     """
+    from forgetrain.equivalence.tiers.loss_curve import CurveRuns
+
     vs, strictest, surpassed = _as_list(verdicts)
+    if isinstance(cand_dir, CurveRuns):
+        cand_dir = cand_dir.first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"schema": REPORT_SCHEMA, "ref_dirs": _paths(ref_dirs),

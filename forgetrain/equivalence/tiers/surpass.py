@@ -98,15 +98,23 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
     if not isinstance(loss_curve_verdict, Verdict) or loss_curve_verdict.tier not in EQUIVALENCE_TIERS:
         raise ValueError(f"surpass needs an equivalence Verdict (one of {', '.join(reversed(EQUIVALENCE_TIERS))})")
     evidence: dict[str, Any] = {"equivalence_tier": loss_curve_verdict.tier,
-                                "equivalence_passed": loss_curve_verdict.passed}
+                                "equivalence_passed": loss_curve_verdict.passed,
+                                "equivalence_mode": loss_curve_verdict.evidence.get("mode", "unpaired")}
     evidence.update(speed_stats(timings_ref, timings_cand, cfg))
     if "reason" in evidence:
         return Verdict("surpass", False, evidence["reason"], evidence, None)
     speedup, needed, fast = evidence["speedup"], evidence["required_speedup"], evidence["faster_beyond_noise"]
     noise, a_n, b_n = evidence["noise"], evidence["n_ref"], evidence["n_cand"]
-    passed = bool(loss_curve_verdict.passed and fast)
+    from forgetrain.equivalence import registry
+
+    unpaired_only = (bool(cfg.get("require_paired", True)) and loss_curve_verdict.tier in registry.names(
+        registry.CURVE) and "paired" not in evidence["equivalence_mode"].split("+"))
+    passed = bool(loss_curve_verdict.passed and fast and not unpaired_only)
     speed = f"speedup {speedup:.3f}x (needs > {needed:.3f}x: noise {noise:.3f}, n={a_n}/{b_n})"
-    if not loss_curve_verdict.passed:
+    if unpaired_only:
+        summary = (f"the speed claim rests on the paired {loss_curve_verdict.tier} test, and this verdict was "
+                   f"judged unpaired only (require_paired); {speed}")
+    elif not loss_curve_verdict.passed:
         summary = f"{loss_curve_verdict.tier} tier failed, so no speed claim counts; {speed}"
     elif not fast:
         summary = f"not faster beyond noise: {speed}"

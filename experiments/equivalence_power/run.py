@@ -1,0 +1,123 @@
+"""Measure the loss-curve tier's power against a stored golden: the fast default and planted regressions, each
+judged by ``forgetrain.verify``'s own judge (paired against every seed's regenerated reference init, or unpaired
+from the candidate's own init), in one process.
+
+    python experiments/equivalence_power/run.py --out DIR --plants default,lr_x0.95 [--seeds 1234,1235,1236]
+        [--budget-s 560] -- <verify overrides: the golden's shape, e.g. $P8 of scripts/device/shapes.sh>
+
+Per plant it writes ``DIR/<plant>/verdict.json`` and ``loss_curves.png``, and after every plant the running
+table ``DIR/power.json``; the golden's ``init.json`` files it records (``verify.pin_init``) are copied to
+``DIR/init_json/``. A plant that would not finish inside ``--budget-s`` is skipped and named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def compose(overrides: list[str]):
+    """RunConfig and VerifyConfig of ``python -m forgetrain.verify <overrides>``."""
+    from hydra import compose as hcompose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from forgetrain import verify as V
+    from forgetrain.cli import precheck_overrides
+    from forgetrain.config import to_run_config
+
+    V.register()
+    precheck_overrides("verify", overrides)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        obj = OmegaConf.to_container(hcompose(config_name="verify", overrides=overrides), resolve=True)
+    vd = obj.pop("verify")
+    obj.pop("tier", None)
+    return to_run_config(obj), V.VerifyConfig(**vd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plants", required=True, help="comma-separated names of plants.PLANTS")
+    ap.add_argument("--seeds", default=None, help="paired seeds (default: verify.seeds)")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop before a plant that would not fit")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+
+    import plants as P
+
+    from forgetrain import registry
+    from forgetrain import verify as V
+
+    rc, vcfg = compose(a.overrides + ["tier=loss_curve", "verify.golden=true"])
+    seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(vcfg.seeds)
+    vcfg = dataclasses.replace(vcfg, seeds=seeds)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gdir = V.curve_golden_dir(rc, vcfg)
+    refs = V._curve_golden_traces(gdir, vcfg)
+    hashes = V._golden_init_hashes(gdir, seeds)
+    if hashes is None:
+        V.pin_init(rc, vcfg, gdir)
+        hashes = V._golden_init_hashes(gdir, seeds)
+        for s in seeds:
+            (out / "init_json").mkdir(exist_ok=True)
+            shutil.copy2(gdir / f"seed_{s}" / "init.json", out / "init_json" / f"{gdir.name}_seed_{s}.json")
+    print(f"[{time.time() - t0:.0f} s] golden {gdir.name}, seeds {seeds}, inits pinned", flush=True)
+    tier_cfg = V.tier_config("loss_curve", vcfg.reference)
+    base = registry.resolve_engine(rc.scenario.engine)
+    rows, per_run = [], None
+    for name in a.plants.split(","):
+        desc, mode = P.PLANTS[name]
+        runs_n = len(seeds) if mode == "paired" else len(vcfg.candidate_seeds)
+        left = a.budget_s - (time.time() - t0)
+        if per_run is not None and left < per_run * runs_n + 15:
+            rows.append({"plant": name, "skipped": f"{left:.0f} s left, ~{per_run * runs_n:.0f} s needed"})
+            print(f"skip {name}: {rows[-1]['skipped']}", flush=True)
+            continue
+        t1 = time.time()
+        inits = [lambda s=s: V.golden_init(rc, vcfg, gdir, s, hashes[s]) for s in seeds] if mode == "paired" else None
+        vq = dataclasses.replace(vcfg, candidate_seeds=[] if mode == "paired" else vcfg.candidate_seeds)
+        runs = V.curve_candidate_runs(P.run_config(name, rc), vq, out / name, inits, P.planted(name, base))
+        v = V.judge("loss_curve", tier_cfg, refs, runs, out / name)[-1]
+        per_run = (time.time() - t1) / runs_n
+        row = {"plant": name, "what": desc, "mode": mode, "passed": v.passed, "summary": v.summary,
+               "wall_s": round(time.time() - t1, 1)}
+        if "paired" in v.evidence:
+            pe = v.evidence["paired"]
+            row.update({k: pe[k] for k in ("late_diff_mean", "late_diff_sd", "ci", "delta", "ref_late_mean",
+                                           "late_diff_per_seed", "n_windows_outside")})
+        else:
+            d = v.evidence.get("drift", {})
+            row.update({k: d.get(k) for k in ("mean_diff", "limit", "detects_nats", "cand_late_means",
+                                              "ref_late_means")})
+            row["n_outside"] = v.evidence.get("n_outside")
+        rows.append(row)
+        (out / "power.json").write_text(json.dumps({"golden": gdir.name, "seeds": seeds, "rows": rows}, indent=1))
+        for rd in runs.paired + runs.unpaired:  # keep the traces, drop the rest
+            shutil.rmtree(Path(rd).parent / "checkpoints", ignore_errors=True)
+        print(f"[{time.time() - t0:.0f} s] {name}: {'PASS' if v.passed else 'FAIL'}  {v.summary}", flush=True)
+    print("\nplant               mode      result  late diff (nats)  CI / limit")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['plant']:<19} skipped   {r['skipped']}")
+        elif "ci" in r:
+            print(f"{r['plant']:<19} paired    {'PASS' if r['passed'] else 'FAIL'}    {r['late_diff_mean']:+.4f}"
+                  f"           [{r['ci'][0]:+.4f}, {r['ci'][1]:+.4f}] vs +-{r['delta']:.4f}")
+        else:
+            print(f"{r['plant']:<19} unpaired  {'PASS' if r['passed'] else 'FAIL'}    {r['mean_diff']:+.4f}"
+                  f"           limit +-{r['limit']:.4f} ({r['n_outside']} windows out)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

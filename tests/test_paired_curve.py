@@ -1,0 +1,147 @@
+"""The paired loss-curve test against the live Megatron reference on CPU: a candidate from each reference seed's
+init and batches, judged by the equivalence test of conf/tier/loss_curve.yaml (paired), beside the unpaired band.
+
+llama_micro, 3 seeds x 80 steps at lr 1e-3 (4 windows of 20): the forged CPU engine mirrors the reference to
+the bit, so its paired differences are zero; a learning rate x0.9 lags by about 1.6% of the late loss.
+"""
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+from forgetrain import equivalence as eq
+from forgetrain import verify as V
+from forgetrain.errors import ConfigError
+from scenarios.llama_tiny_cpu.engine import Engine
+from tests.test_ladder import _cfg
+
+STEPS, SEEDS = 80, [1234, 1235, 1236]
+
+
+def _curve_cfg():
+    c = _cfg()
+    return dataclasses.replace(c, train=dataclasses.replace(
+        c.train, micro_batch_size=4, global_batch_size=8, lr_warmup_steps=10, lr=1e-3, min_lr=1e-4, steps=STEPS))
+
+
+def _vcfg(**kw):
+    return V.VerifyConfig(curve_steps=STEPS, seeds=SEEDS, digests=False, **kw)
+
+
+class LrTimes09(Engine):
+    """A planted regression: the learning rate (and its floor) x0.9."""
+
+    def __init__(self, cfg, device):
+        cfg = copy.deepcopy(cfg)
+        cfg.train = dataclasses.replace(cfg.train, lr=cfg.train.lr * 0.9, min_lr=cfg.train.min_lr * 0.9)
+        super().__init__(cfg, device)
+
+
+class NoisyLoss(Engine):
+    """An honest engine whose reported loss carries added noise (sd 0.3 nats a step, seeded)."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        self._rng = np.random.default_rng(cfg.train.seed)
+
+    def train_step(self, micro_batches):
+        r = super().train_step(micro_batches)
+        r.loss = float(r.loss + self._rng.normal(0.0, 0.3))
+        return r
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """The reference seeds' traces and exported inits (live runs)."""
+    out = tmp_path_factory.mktemp("paired_refs")
+    return V._curve_references(_curve_cfg(), _vcfg(), out, V.curve_golden_dir(_curve_cfg(), _vcfg()))
+
+
+def _judge(live, tmp_path, engine_cls):
+    refs, inits = live
+    runs = V.curve_candidate_runs(_curve_cfg(), _vcfg(), tmp_path, inits, engine_cls)
+    assert len(runs.paired) == 3 and len(runs.unpaired) == 3
+    return V.judge("loss_curve", V.tier_config("loss_curve", "megatron"), refs, runs)[-1]
+
+
+def test_honest_engine_passes_paired_with_zero_difference(live, tmp_path):
+    v = _judge(live, tmp_path, None)
+    assert v.passed, v.summary
+    pe = v.evidence["paired"]
+    assert pe["late_diff_per_seed"] == [0.0, 0.0, 0.0] and v.evidence["mode"] == "paired+unpaired"
+
+
+def test_lr_times_09_fails_paired_while_the_unpaired_band_passes_it(tmp_path):
+    """Through verify itself (live reference runs, then 3 paired and 3 unpaired candidate runs)."""
+    v = V.verify(_curve_cfg(), _vcfg(), "loss_curve", tmp_path, engine_cls=LrTimes09)[-1]
+    assert not v.passed, v.summary
+    pe = v.evidence["paired"]
+    assert not pe["late_inside"] and pe["ci"][0] > pe["delta"] > 0, v.summary  # lags: higher loss, beyond +delta
+    assert v.evidence["unpaired"]["passed"] and v.evidence["drift"]["passed"], v.summary
+    assert "paired: FAIL" in v.summary and "unpaired: pass" in v.summary
+    assert (tmp_path / "verdict.json").is_file() and not list(tmp_path.rglob("init.safetensors"))
+
+
+def test_added_loss_noise_does_not_pass_more_easily(live, tmp_path):
+    honest = _judge(live, tmp_path / "honest", None)
+    noisy = _judge(live, tmp_path / "noisy", NoisyLoss)
+    assert honest.passed and not noisy.passed, noisy.summary
+    assert noisy.evidence["paired"]["ci_half_width"] > honest.evidence["paired"]["ci_half_width"]
+    assert noisy.evidence["unpaired"]["passed"]  # the band alone would have taken it
+
+
+@pytest.fixture
+def golden_root(tmp_path, monkeypatch):
+    root = tmp_path / "goldens"
+    monkeypatch.setattr(V, "GOLDEN_ROOT", root)
+    return root
+
+
+def test_golden_stores_init_hashes_and_a_changed_hash_is_refused_in_one_line(golden_root, tmp_path):
+    import json
+
+    cfg = _curve_cfg()
+    V.verify(cfg, _vcfg(make_golden=True), "loss_curve", tmp_path / "g")
+    gdir = V.curve_golden_dir(cfg, _vcfg())
+    for s in SEEDS:
+        info = json.loads((gdir / f"seed_{s}" / "init.json").read_text())
+        assert len(info["sha256"]) == 64 and info["n_params"] > 0
+    assert info["sha256"] == V.init_sha256(V.reference_init(cfg, _vcfg(), SEEDS[-1]))  # rebuilt from the seed
+    cache = tmp_path / "inits"
+    v = V.verify(cfg, _vcfg(golden=True, candidate_seeds=[], init_cache=str(cache)), "loss_curve", tmp_path / "j")[-1]
+    assert v.passed and v.evidence["mode"] == "paired", v.summary
+    assert len(list(cache.rglob("*.safetensors"))) == 3
+    f = gdir / "seed_1235" / "init.json"
+    f.write_text(json.dumps(dict(json.loads(f.read_text()), sha256="0" * 64)))
+    with pytest.raises(ConfigError) as e:
+        V.verify(cfg, _vcfg(golden=True, candidate_seeds=[]), "loss_curve", tmp_path / "bad")
+    assert "seed 1235" in str(e.value) and "sha256" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_golden_without_init_hashes_is_judged_unpaired_or_pinned(golden_root, tmp_path, capsys):
+    cfg = _curve_cfg()
+    V.verify(cfg, _vcfg(make_golden=True), "loss_curve", tmp_path / "g")
+    gdir = V.curve_golden_dir(cfg, _vcfg())
+    for s in SEEDS:
+        (gdir / f"seed_{s}" / "init.json").unlink()
+    v = V.verify(cfg, _vcfg(golden=True), "loss_curve", tmp_path / "u")[-1]
+    assert v.evidence["mode"] == "unpaired" and "judged unpaired only" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="verify.paired=true: .*pin_init"):
+        V.verify(cfg, _vcfg(golden=True, paired=True), "loss_curve", tmp_path / "p")
+    assert V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "pin") == []
+    v = V.verify(cfg, _vcfg(golden=True, candidate_seeds=[]), "loss_curve", tmp_path / "paired")[-1]
+    assert v.passed and v.evidence["mode"] == "paired", v.summary
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"candidate_seeds": [1234, 9, 10]}, "reference seeds too"),
+    ({"candidate_seeds": [9, 10]}, ">= 3 candidate seeds"),
+    ({"candidate_seeds": [9, 9, 10]}, "distinct integers"),
+    ({"paired": False, "candidate_seeds": []}, "no candidate run"),
+    ({"pin_init": True}, "pin_init=true records"),
+])
+def test_curve_requests_that_cannot_be_judged_are_refused(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        V._check_request(_vcfg(**kw), V._tier("loss_curve"))
