@@ -20,10 +20,11 @@ case "${PART:?PART=p8_default|p8_plants|p8_init|r1b_default|r1b_plants|r1b_init}
   r1b_*) W="$R1B verify.seeds=[1234,1235,1236]"; ALL=1234,1235,1236 ;;
 esac
 case "$PART" in
-  *_default) PLANTS=default,repeat; SEEDS=$ALL ;;
-  *_plants) PLANTS=lr_x0.95,fp8,bf16_ce; SEEDS=1234,1235,1236 ;;
-  *_init) PLANTS=default_unpaired,no_output_scaling,bf16_grad_accum; SEEDS=1234,1235,1236 ;;
+  *_default) P=default,repeat; SEEDS=$ALL ;;
+  *_plants) P=lr_x0.95,fp8,bf16_ce; SEEDS=1234,1235,1236 ;;
+  *_init) P=default_unpaired,no_output_scaling,bf16_grad_accum; SEEDS=1234,1235,1236 ;;
 esac
+PLANTS=${PLANTS:-$P}  # PLANTS=a,b runs those plants instead (the part still picks the shape and seeds)
 # a machine that went back in between lost the cache: the new one regenerates what it needs (its hash checked)
 df -h /tmp | tail -1
 python3 experiments/equivalence_power/run.py --out "$OUT/$PART" --plants "$PLANTS" --seeds "$SEEDS" \
