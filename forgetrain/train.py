@@ -434,10 +434,10 @@ def _resume(run: _Run) -> None:
     ckpt_root = run.ckpt_root  # train() has checked it holds a checkpoint (_check_resumable)
     state, harness, last, skipped = checkpoint.load_newest_good(
         ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict(), share_pinned=True))
-    for why in skipped:
-        log.warning("skipping a damaged checkpoint, %s", why)
+    for why in skipped:  # one line each, the reason after the decision
         if env.rank == 0:
-            print(f"warning: checkpoint {why.split(':', 1)[0]} is damaged; resuming from {last.name} instead",
+            name, reason = why.split(": ", 1)
+            print(f"warning: checkpoint {name} is damaged; resuming from {last.name} instead ({reason})",
                   file=sys.stderr)
     engine.load_state_dict(state)
     start = int(harness["step"])
