@@ -179,32 +179,59 @@ def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
 def _lock_out_dir(out: Path, env: DistEnv):
     """Take ``<out>/.lock`` (an exclusive ``flock``, rank 0) for the run's lifetime, so a second run on the same
     directory -- a fresh one, a resume or an overwrite -- is refused while the first lives. The OS drops the lock
-    when the holder dies, even by kill -9. Returns the open lock file (None off rank 0). Raises ConfigError on
-    every rank when the directory is in use."""
-    import fcntl
+    when the holder dies, even by kill -9. Returns the open lock file (None off rank 0); :func:`_unlock_out_dir`
+    gives it back. Raises ConfigError on every rank when the directory is in use.
 
+    The holder unlinks the file when it ends (a run that wrote nothing leaves no directory behind), so a run that
+    opened the file before that unlink may then lock an inode no path names any more, while a third run creates
+    and locks a new ``.lock``: both would hold "the" lock. So a lock counts only when the path still names the
+    locked inode afterwards; otherwise it is dropped and taken again on the file the path names now (the
+    protocol of lock files that are removed by their holders, e.g. ``flufl.lock``, ``lockfile``)."""
     from forgetrain.errors import ConfigError
 
     fh, busy = None, None
     if env.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        fh = open(out / ".lock", "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"{os.getpid()}\n")
-            fh.flush()
-        except OSError:
-            fh.seek(0)
-            busy = fh.read().strip() or "?"
-            fh.close()
-            fh = None
+        fh, busy = _flock_current(out / ".lock")
     busy = env.broadcast_object(busy)
     if busy is not None:
         raise ConfigError(f"{out} is in use by another run (pid {busy}); wait for it to end, or choose another "
                           f"train.out_dir")
     return fh
+
+
+def _flock_current(path: Path):
+    """``(open file, None)`` holding an exclusive flock on the inode ``path`` names once it is held, with this pid
+    written into it; or ``(None, pid)`` of the holder (``"?"`` when unreadable) when another process holds it."""
+    import fcntl
+
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            busy = fh.read().strip() or "?"
+            fh.close()
+            return None, busy
+        try:
+            current = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:  # unlinked by the holder that just let go
+            current = False
+        if current:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n")
+            fh.flush()
+            return fh, None
+        fh.close()  # a stale inode: its holder has ended; take the file the path names now
+
+
+def _unlock_out_dir(out: Path, fh) -> None:
+    """Give back :func:`_lock_out_dir`'s lock: unlink ``<out>/.lock`` while still holding it, then release it. A run
+    that locks the old inode after the unlink finds it stale and retries (:func:`_flock_current`)."""
+    (out / ".lock").unlink(missing_ok=True)
+    fh.close()
 
 
 def _missing_dirs(out: Path) -> list[Path]:
@@ -234,8 +261,7 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
         return _train(cfg, env, out, record=record, **kw)
     finally:
         if lock is not None:
-            (out / ".lock").unlink(missing_ok=True)
-            lock.close()
+            _unlock_out_dir(out, lock)
             for d in made:  # the lock made these directories: a run that wrote nothing leaves none behind
                 try:
                     d.rmdir()  # innermost first; a directory the run wrote into is not empty and stays

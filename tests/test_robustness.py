@@ -519,6 +519,38 @@ def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
     assert p.returncode == 0, p.stderr[-1500:]
 
 
+def test_out_dir_lock_released_during_a_take_is_not_held_twice(tmp_path, monkeypatch):
+    """The holder unlinks ``.lock`` and then lets go. A run that opened the file before the unlink and locks it just
+    after holds an inode no path names; a third run creating a new ``.lock`` must still be refused, not lock too."""
+    import fcntl
+
+    from forgetrain.distributed import DistEnv
+    from forgetrain.errors import ConfigError
+    from forgetrain.train import _lock_out_dir, _unlock_out_dir
+
+    out, env = tmp_path / "run", DistEnv()
+    first = _lock_out_dir(out, env)
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):  # the second run's first take: the first run ends between its open() and its flock()
+        calls.append(op)
+        if len(calls) == 1:
+            _unlock_out_dir(out, first)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    second = _lock_out_dir(out, env)
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert len(calls) == 2, calls  # the stale inode was dropped and the lock taken again on the file that is there
+    with pytest.raises(ConfigError, match=rf"is in use by another run \(pid {os.getpid()}\)"):
+        _lock_out_dir(out, env)
+    assert (out / ".lock").read_text().strip() == str(os.getpid())
+    _unlock_out_dir(out, second)
+    assert not (out / ".lock").exists()
+    third = _lock_out_dir(out, env)  # free again once the holder has let go
+    _unlock_out_dir(out, third)
+
+
 def test_kernels_without_triton_is_one_line(tmp_path):
     """`python -m forgetrain.kernels list` after the quick-start install (no triton): one line naming the extra."""
     code = ("import sys; sys.modules['triton'] = None; sys.argv = ['kernels', 'list']; "
