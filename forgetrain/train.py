@@ -332,13 +332,17 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
     ``<out>/init.safetensors``. ``engine_cls`` bypasses the registry (tests feed mutant engines). Raises ConfigError / DataError / CheckpointError on bad input.
 
     Phases, in order: :func:`_setup` (data, engine, initial weights), :func:`_resume` (``train.resume``: the newest
-    good checkpoint and the trace up to it), the config record, :func:`_open_sinks` (trace writer, W&B, the run's
+    good checkpoint and the trace up to it; a run already at ``train.steps`` ends here, having written nothing),
+    the config record, :func:`_open_sinks` (trace writer, W&B, the run's
     banner), :func:`_loop` (the steps, checkpoints) and :func:`_finish` (final parameters, sample, summary).
     """
     run = _setup(cfg, env, out, kind=kind, engine_name=engine_name, init_hf=init_hf, engine_cls=engine_cls,
                  export_init=export_init, progress=progress)
     if cfg.train.resume:
         _resume(run)
+        if run.start == cfg.train.steps:  # finished already: nothing to do, so nothing is written (no config record,
+            env.barrier()  # trace rewrite, W&B run, export or summary)
+            return out
     if record is not None and env.rank == 0:  # the data, engine and checkpoint all loaded: the run is on
         _record_config(out, record, cfg.train.resume)
     _open_sinks(run)
@@ -496,11 +500,11 @@ def _resume(run: _Run) -> None:
     run.wandb_id = harness.get("wandb_run_id")
     if recorded and recorded[-1]["step"] > start:  # steps past the checkpoint ran before and are redone
         run.rewound = (start + 1, recorded[-1]["step"])
-    if env.rank == 0:
+    if env.rank == 0 and start == t.steps:
+        print(f"the run is already complete (train.steps={t.steps}, checkpoint {last.name}); nothing to do, nothing "
+              f"was written: raise train.steps to train further", file=sys.stderr)
+    elif env.rank == 0:
         print(f"resumed from {last} at step {start}", file=sys.stderr)
-        if start == t.steps:
-            print(f"the run is already complete (train.steps={t.steps}); raise train.steps to train further",
-                  file=sys.stderr)
 
 
 def _open_sinks(run: _Run) -> None:

@@ -133,6 +133,24 @@ def test_resume_beyond_train_steps_is_one_line(finished, tmp_path):
     assert p.returncode == 2 and "beyond train.steps=4" in _last_line(p), p.stderr[-1500:]
 
 
+def _snapshot(d: Path) -> dict:
+    return {str(f.relative_to(d)): (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_resuming_a_finished_run_changes_nothing(finished, tmp_path):
+    """A resume of a run already at train.steps says so and exits 0 without writing anything: no config record, no
+    W&B run, no second export, no summary.json rewritten (it had kept the old one with "val_loss": null)."""
+    out = _copy(finished, tmp_path)
+    before = _snapshot(out)
+    p = run([*SHORT, "logger=wandb", "train.resume=true", f"train.out_dir={out}"], cwd=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "the run is already complete (train.steps=6, checkpoint step_000006); nothing to do" in p.stderr, \
+        p.stderr[-2000:]
+    assert "=== summary ===" not in p.stderr and "W&B run" not in p.stderr, p.stderr[-2000:]
+    assert _snapshot(out) == before
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["run"]  # nothing beside it either (Hydra's outputs/)
+
+
 def test_divergence_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     from forgetrain.errors import DivergenceError
     from forgetrain.train import train
