@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import hang_s
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model=llama_micro", "train.micro_batch_size=2", "train.lr_warmup_steps=1", "bench.steps=2",
         "bench.warmup=1", "bench.against=[megatron]", "train.threads=1"]
@@ -37,7 +39,7 @@ def _check(out: Path, devices: int, gbs: int, grad_accum: int, key: str = "rows"
 def test_bench_one_process(tmp_path):
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, "train.global_batch_size=4",
                         f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True, capture_output=True,
-                       timeout=600)
+                       timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]
     _check(tmp_path, 1, gbs=4, grad_accum=2)  # the headline (the configured global batch)
     _check(tmp_path, 1, gbs=2, grad_accum=1, key="rows_single_micro_batch")  # one micro-batch per step beside it
@@ -56,7 +58,7 @@ def test_bench_under_torchrun_dp2(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), "-m", "forgetrain.bench", *TINY, "parallel=dp2", "train.global_batch_size=8",
            f"bench.out_dir={tmp_path}"]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), text=True, capture_output=True, timeout=600)
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), text=True, capture_output=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-3000:]
     _check(tmp_path, 2, gbs=8, grad_accum=2)
     _check(tmp_path, 2, gbs=4, grad_accum=1, key="rows_single_micro_batch")  # micro-batch 2 x DP 2
@@ -81,7 +83,7 @@ def test_headline_warning_below_8_micro_batches():
 def test_bench_rejects_unknown_reference(tmp_path):
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY[:-2], "bench.against=[nope]",
                         f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True, capture_output=True,
-                       timeout=300)
+                       timeout=hang_s())
     assert p.returncode != 0
     assert "Traceback" not in p.stderr and "nope" in p.stderr.strip().splitlines()[-1], p.stderr[-1500:]
 
@@ -126,7 +128,7 @@ def test_bench_profile_and_no_second_row_set(tmp_path):
     """GBS == micro-batch: one row set only. bench.profile: a valid Chrome trace per side and its breakdown."""
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, "train.global_batch_size=2",
                         "bench.profile=true", f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True,
-                       capture_output=True, timeout=600)
+                       capture_output=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((tmp_path / "bench.json").read_text())
     _check(tmp_path, 1, gbs=2, grad_accum=1)
@@ -145,7 +147,7 @@ def test_bench_profile_and_no_second_row_set(tmp_path):
 def test_bench_switches_are_booleans(tmp_path, key):
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, f"bench.{key}=maybe",
                         f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True, capture_output=True,
-                       timeout=300)
+                       timeout=hang_s())
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert f"bench.{key}=maybe" in p.stderr and "not a valid bool" in p.stderr, p.stderr[-1500:]
 
@@ -387,7 +389,7 @@ def test_bench_rejects_a_bad_side_recompute(tmp_path):
     """One ``error:`` line, a non-zero exit, nothing written."""
     out = tmp_path / "b"
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY, "bench.side_recompute=selective",
-                        f"bench.out_dir={out}"], cwd=ROOT, text=True, capture_output=True, timeout=300, env=_env())
+                        f"bench.out_dir={out}"], cwd=ROOT, text=True, capture_output=True, timeout=hang_s(), env=_env())
     assert p.returncode != 0
     assert "error: bench.side_recompute must be none|full|null" in p.stderr + p.stdout, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and not out.exists()

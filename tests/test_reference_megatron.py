@@ -17,6 +17,7 @@ from forgetrain.config import ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from forgetrain.engine import TrainEngine, forward_names, hf_param_names  # noqa: E402
 from forgetrain.schedule import lr_for_step  # noqa: E402
 from references.megatron.engine import Engine  # noqa: E402
+from tests.limits import hang_s  # noqa: E402
 
 VOCAB, SEQ, MB = 256, 32, 2
 
@@ -301,5 +302,5 @@ def test_shim_leaves_the_torch_device_context_manager_working(warm):
     root = str(Path(__file__).resolve().parent.parent)
     guard = "" if warm else "shim._warm_device_constructors = lambda: None"
     p = subprocess.run([sys.executable, "-c", _DEVICE_CONTEXT_PROBE.format(root=root, warm_guard=guard)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_s())
     assert (p.returncode == 0) == warm, p.stdout + p.stderr[-2000:]

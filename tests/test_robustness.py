@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_train import FAST, records, run
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [*FAST, "train.eval_interval=0", "train.sample_tokens=0"]
@@ -218,7 +219,7 @@ def test_ctrl_c_checkpoints_the_step_it_stops_after_and_resumes_from_it(tmp_path
 def _module(mod: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", mod, *args], cwd=tmp_path, env=env, text=True,
-                          capture_output=True, timeout=300)
+                          capture_output=True, timeout=hang_s())
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -277,7 +278,7 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
                              f"train.out_dir={out}"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 240
+    deadline = time.time() + hang_s()
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before its first checkpoint was seen: nothing to interrupt"
@@ -285,7 +286,7 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
         proc.kill()
         pytest.fail(f"no checkpoint within 240 s: {proc.communicate()[1][-1500:]}")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=hang_s())
     assert proc.returncode == 130, err[-2000:]
     last = [x for x in err.strip().splitlines() if x.strip()][-1]
     # the first Ctrl-C finishes the step in hand, then stops (a flag read at the step boundary, not an exception
@@ -334,7 +335,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True,  # a terminal's Ctrl-C goes to torchrun, which passes it on
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 240
+    deadline = time.time() + hang_s()
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     if proc.poll() is not None or not (out / "checkpoints" / "latest").exists():
@@ -343,7 +344,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     # the signal reaches rank 0 alone (as when the workers get it at different moments): rank 1 learns of it at
     # the step boundary
     os.kill(_worker_pid(proc.pid, rank=0), signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=hang_s())
     assert proc.returncode != 0
     stops = [x for x in err.splitlines() if x.startswith("error: interrupted after step ")]
     # one line per rank, the same step and checkpoint named; torchrun ends the other workers once one has exited,
@@ -492,8 +493,8 @@ def test_killed_launcher_leaves_no_worker(tmp_path):
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = []
     try:
-        deadline = time.time() + 240
-        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
+        deadline = time.time() + hang_s()
+        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline and launcher.poll() is None:
             time.sleep(1)
         assert (out / "trace" / "trace.jsonl").exists(), "the run never started"
         workers = [c for c in psutil.Process(launcher.pid).children(recursive=True)]
@@ -521,8 +522,8 @@ def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
                               f"train.out_dir={out}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 240
-        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
+        deadline = time.time() + hang_s()
+        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline and first.poll() is None:
             time.sleep(0.5)
         assert (out / "trace" / "trace.jsonl").exists(), "the first run never started"
         for extra in ([], ["train.overwrite=true"], ["train.resume=true"]):
@@ -575,7 +576,7 @@ def test_kernels_without_triton_is_one_line(tmp_path):
             "from forgetrain.kernels.__main__ import main; sys.exit(main())")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
-                       timeout=300)
+                       timeout=hang_s())
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
     import tomllib
 
@@ -635,7 +636,7 @@ def stand_in_task(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
             "run_hydra('config', task, sys.argv[1:])\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                          text=True, capture_output=True, timeout=300)
+                          text=True, capture_output=True, timeout=hang_s())
 
 
 def test_device_out_of_memory_is_one_line(tmp_path):
@@ -725,7 +726,7 @@ warnings.warn_explicit("another megatron warning", UserWarning, "x.py", 2, modul
 """
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path, env=env, text=True,
-                       capture_output=True, timeout=300)
+                       capture_output=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]
     assert "UserWarning: full scope is deprecated" not in p.stderr, p.stderr[-2000:]
     assert "DeprecationWarning: full scope is deprecated" in p.stderr, p.stderr[-2000:]
@@ -758,7 +759,7 @@ def test_mismatched_collectives_name_the_op_and_the_sizes(tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
         ranks.append(subprocess.Popen([sys.executable, "worker.py"], cwd=tmp_path, env=env, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    errs = [r.communicate(timeout=300)[1] for r in ranks]
+    errs = [r.communicate(timeout=hang_s())[1] for r in ranks]
     for rank, (r, err) in enumerate(zip(ranks, errs)):
         assert r.returncode == 1 and "Traceback" not in err, err[-3000:]
         lines = [x for x in err.splitlines() if x.startswith("error:")]
