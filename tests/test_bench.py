@@ -48,7 +48,14 @@ def test_bench_one_process(tmp_path):
     assert len(warnings) == 1 and "train.global_batch_size=16" in warnings[0], p.stdout
     assert (tmp_path / ".hydra" / "config.yaml").is_file() and not list(tmp_path.glob("*.log"))  # no empty cli.log
     res = json.loads((tmp_path / "bench.json").read_text())
-    assert res["side_recompute"] is None and res["warnings"] == [warnings[0]]  # the printed warnings, recorded
+    printed = [x for x in p.stdout.splitlines() if x.startswith("warning:")]  # two timed steps on a shared CPU
+    noisy = [x for x in printed if x.startswith("warning: noisy timings (")]  # may be noisy, and then say so
+    assert printed == [warnings[0], *noisy], printed
+    assert res["side_recompute"] is None and res["warnings"] == printed  # the printed warnings, recorded
+    assert res["noisy_iqr_pct"] == 10.0
+    rows = res["rows"] + res["rows_single_micro_batch"]
+    assert len(noisy) == sum(r["noisy"] for r in rows)
+    assert all(r["noisy"] == (r["step_s_iqr_pct"] > 10.0) for r in rows)
 
 
 def test_bench_under_torchrun_dp2(tmp_path):
@@ -78,6 +85,25 @@ def test_headline_warning_below_8_micro_batches():
                                       parallel=ParallelConfig(data_parallel_size=2))) is None
     one = single_micro_batch_config(cfg)
     assert one.train.global_batch_size == 4 and cfg.train.global_batch_size == 8  # a copy; the original kept
+
+
+def test_noisy_side_is_flagged_with_one_warning_line():
+    """A side whose step times spread by more than bench.NOISY_IQR_PCT of their median (here 50%-115%, a loaded
+    machine's) gets ``noisy`` in its row and one ``warning:`` line naming it and the spread; a steady side none."""
+    from forgetrain import bench
+
+    cfg = _micro_cfg()
+    steady = [1.00, 1.01, 0.99, 1.00, 1.02, 0.98, 1.00, 1.01, 0.99, 1.00]
+    loaded = [0.50, 1.15, 1.00, 0.60, 1.10, 1.00, 0.70, 1.05, 1.00, 0.90]
+    rows = {r["side"]: r for r in bench.summarize(cfg, {"forged": steady, "megatron": loaded})}
+    assert not rows["forged"]["noisy"] and rows["forged"]["step_s_iqr_pct"] < 3
+    m = rows["megatron"]
+    assert m["noisy"] and m["step_s_iqr_pct"] > bench.NOISY_IQR_PCT
+    assert m["step_s_min_pct"] == pytest.approx(50.0) and m["step_s_max_pct"] == pytest.approx(115.0)
+    lines = bench.noise_warnings(list(rows.values()), "headline")
+    assert len(lines) == 1 and lines[0].startswith("warning: noisy timings (headline, side megatron): step_s IQR ")
+    assert "from 50% to 115% of it" in lines[0] and "forgetrain.bench.NOISY_IQR_PCT" in lines[0], lines[0]
+    assert bench.noise_warnings([rows["forged"]], "headline") == [] and bench.noise_warnings(None, "x") == []
 
 
 def test_bench_rejects_unknown_reference(tmp_path):
