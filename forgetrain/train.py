@@ -573,10 +573,7 @@ def _loop(run: _Run, progress: bool) -> None:
             if device.type == "cuda":  # the peak of allocated device memory so far (torch's allocator), GiB
                 rec["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if t.digests:
-                dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
-                dg["grads"] = tensor_digests(engine.export_hf_grads())
-                dg["params"] = tensor_digests(engine.export_hf_weights())
-                rec["digests"] = dg
+                rec["digests"] = _step_digests(engine, res, t.clip_grad)
             if probe is not None:
                 if writer:
                     writer.write_modules(probe.records)
@@ -651,6 +648,39 @@ def _loop(run: _Run, progress: bool) -> None:
         bar.close()
     if writer:
         writer.flush()
+
+
+def _step_digests(engine, res, clip_grad: float) -> dict:
+    """The step's digests (``forgetrain.trace``): per-token losses, pre-clip gradients, the gradients the update
+    applied (:func:`clipped_grads`) and the parameters after the step. Every rank calls it (a TP engine's exports
+    are collectives)."""
+    pre = engine.export_hf_grads()
+    dg = {"per_token_loss": tensor_digest(res.per_token_loss), "grads": tensor_digests(pre)}
+    post = clipped_grads(engine, pre, res.grad_norm, clip_grad)
+    dg["clipped_grads"] = dg["grads"] if post is pre else tensor_digests(post)
+    dg["params"] = tensor_digests(engine.export_hf_weights())
+    return dg
+
+
+def clipped_grads(engine, pre: dict[str, torch.Tensor], grad_norm: float,
+                  clip_grad: float) -> dict[str, torch.Tensor]:
+    """The gradients the last step's update applied (after clipping), HF layout, fp32, name -> tensor of the
+    parameter's shape.
+
+    An engine that has ``export_hf_clipped_grads()`` reports its own (None there: not available in this layout,
+    e.g. ZeRO-1 or FSDP shards). Otherwise they are derived from ``pre`` (:meth:`export_hf_grads`, pre-clip) the
+    way Megatron clips (``clip_grad_by_total_norm_fp32``): ``coeff = clip_grad / (grad_norm + 1e-6)`` from the
+    step's reported pre-clip ``grad_norm``, and ``g * coeff`` (a Python float scale) only when ``clip_grad > 0``
+    and ``coeff < 1`` -- exactly the reference's clipped gradients, which its engine does not export (it is never
+    edited). Returns ``pre`` itself when no clipping applies."""
+    own = getattr(engine, "export_hf_clipped_grads", None)
+    got = own() if own is not None else None
+    if got is not None:
+        return got
+    coeff = clip_grad / (grad_norm + 1.0e-6) if clip_grad > 0 else 1.0
+    if not coeff < 1.0:  # NaN norm: nothing clipped either (Megatron's test is the same)
+        return pre
+    return {k: g * coeff for k, g in pre.items()}
 
 
 class _CtrlC:
