@@ -246,6 +246,24 @@ def test_bad_verify_request_is_one_line_before_any_run(args, needle, tmp_path):
     assert not (out / "reference").exists(), "the request must be refused before the reference runs"
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("forge.out_dir={tmp}/a_file/run", "forge.out_dir={tmp}/a_file/run cannot be created: {tmp}/a_file is a file"),
+    ("forge.max_round=3", "did you mean forge.max_rounds?"),
+    ("forge.max_rounds=-1", "forge.max_rounds must be >= 0, got -1"),
+])
+def test_bad_forge_override_is_one_line(override, needle, tmp_path):
+    """``python -m forgetrain.forge <bad override>``: one ``error:`` line (an unwritable forge.out_dir was a
+    traceback), exit 2, nothing written."""
+    (tmp_path / "a_file").write_text("")
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=echo", f"forge.out_dir={tmp_path / 'o'}",
+                        override.format(tmp=tmp_path)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       text=True, capture_output=True, timeout=hang_s())
+    lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert [x for x in lines if x.startswith("error:")] == lines[-1:] and needle.format(tmp=tmp_path) in lines[-1], lines
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a_file"]
+
+
 def test_corrupt_golden_is_one_line(tmp_path, monkeypatch):
     from forgetrain.errors import ConfigError
     from forgetrain.verify import _check_golden
