@@ -3,7 +3,8 @@
 Every side (the forged engine first, then each reference in ``bench.against``) is built in this one process on
 the same initial weights and fed the same real-token micro-batches. After ``bench.warmup`` untimed steps per side,
 steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (host timer on CPU), and the median
-is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
+is reported with its spread (IQR); a side whose IQR exceeds :data:`NOISY_IQR_PCT` percent of its median gets a
+``warning:`` line (and ``noisy`` in its row of bench.json). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
 speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
 
 The headline rows are the configured global batch, which should be production-like (gradient accumulation >= 8;
@@ -605,9 +606,19 @@ def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_c
     return t[reference], t["forged"]
 
 
+# A side whose step times have an interquartile range above this percentage of their median is reported as noisy
+# (a ``warning:`` line, ``noisy`` in its row). Rationale: the median's relative standard error is about
+# 1.2533 (IQR / 1.349) / (median sqrt(n)) (the surpass tier's large-sample estimate, forgetrain/equivalence/tiers/
+# surpass.py); at 10% and the default bench.steps=10 that is 2.9% per side, so the ratio of two such sides is only
+# known to about +-8% (95%) -- already more than the 1-6% differences this bench is used to call. Beyond it, the
+# table's ratios say little; the cure is an idle machine, more bench.steps, or fewer threads (train.threads=1).
+NOISY_IQR_PCT = 10.0
+
+
 def summarize(cfg: RunConfig, times: dict) -> list[dict]:
     """One row per timed side of ``times`` (side -> step seconds, as from :func:`timed_sides`): median step_s and
-    its IQR (s), tokens_per_s, mfu_pct and mfu_causal_pct (%), mem_gib (GiB; None on CPU), forged_speedup (this
+    its IQR (s), the IQR and the fastest and slowest step as percentages of the median (``step_s_iqr_pct``,
+    ``step_s_min_pct``, ``step_s_max_pct``), ``noisy`` (IQR above :data:`NOISY_IQR_PCT`), tokens_per_s, mfu_pct and mfu_causal_pct (%), mem_gib (GiB; None on CPU), forged_speedup (this
     side's step time / the forged one's), labelled with the config's ``global_batch_size`` (samples) and
     ``grad_accum`` (micro-batches per step per DP rank). Raises KeyError when ``times`` has no "forged" side."""
     from forgetrain.metrics import mfu_metrics, peak_flops
@@ -624,11 +635,24 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
             continue
         q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0], ts[0], ts[0]]
         med = statistics.median(ts)
-        rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "tokens_per_s": tokens / med,
+        iqr_pct = 100 * (q[2] - q[0]) / med
+        rows.append({"side": name, "step_s": med, "step_s_iqr": q[2] - q[0], "step_s_iqr_pct": iqr_pct,
+                     "step_s_min_pct": 100 * min(ts) / med, "step_s_max_pct": 100 * max(ts) / med,
+                     "noisy": iqr_pct > NOISY_IQR_PCT, "tokens_per_s": tokens / med,
                      **mfu_metrics(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
                      "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1],
                      "global_batch_size": cfg.train.global_batch_size, "grad_accum": grad_accum_steps(cfg)})
     return rows
+
+
+def noise_warnings(rows: Optional[list[dict]], title: str) -> list[str]:
+    """One ``warning:`` line per row of ``rows`` (from :func:`summarize`; None: no rows) whose step times are noisy
+    (``noisy``: IQR above :data:`NOISY_IQR_PCT` percent of the median), naming the row set ``title``, the spread
+    and what to do."""
+    return [f"warning: noisy timings ({title}, side {r['side']}): step_s IQR {r['step_s_iqr_pct']:.1f}% of the "
+            f"median, steps from {r['step_s_min_pct']:.0f}% to {r['step_s_max_pct']:.0f}% of it (above "
+            f"{NOISY_IQR_PCT:g}%, forgetrain.bench.NOISY_IQR_PCT: differences of a few % between sides are not "
+            f"resolved); rerun on an idle machine, with more bench.steps or train.threads=1" for r in rows or [] if r["noisy"]]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -793,6 +817,8 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
 
     if rows and (warn := implausible_mfu(cfg.hardware, max(r["mfu_pct"] for r in rows))):
         print(warn)
+    for line in noise_warnings(rows, title):
+        print(line)
     return rows
 
 
@@ -845,7 +871,8 @@ def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: di
                   rows_single: Optional[list[dict]] = None) -> None:
     """``<out>/bench.json`` (atomically): the headline ``rows`` and ``times``, the one-micro-batch ``rows_single``
     and ``single_times`` (None: not timed, or not yet when ``complete`` is false), what ran out of memory and why,
-    the sides that could not run, profiles, engine info, warnings, versions and the command line."""
+    the sides that could not run, profiles, engine info, warnings (noisy sides' included, with the threshold
+    ``noisy_iqr_pct``: :data:`NOISY_IQR_PCT`), versions and the command line."""
     from forgetrain.trace import atomic_write_json
     from forgetrain.train import versions
 
@@ -864,7 +891,10 @@ def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: di
                                            "candidate": b.candidate,
                                            "warnings": recompute_warnings(rc, b.against, b.side_recompute)
                                                        + [w for w in (warning, warmup_warning(b)) if w]
-                                                       + fp8_notes(times.get("_info") or {}),
+                                                       + fp8_notes(times.get("_info") or {})
+                                                       + noise_warnings(rows, "headline")
+                                                       + noise_warnings(rows_single, "single micro-batch"),
+                                           "noisy_iqr_pct": NOISY_IQR_PCT,
                                            "versions": versions(), "scenario": rc.scenario.name,
                                            "date": time.strftime("%Y-%m-%d"), "argv": sys.argv})
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -140,11 +141,36 @@ def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
         harness = json.loads((d / "harness.json").read_text())
         if not isinstance(harness, dict) or not isinstance(harness.get("step"), int):
             raise ValueError("harness.json has no integer 'step'")
-        dcp.load(template, checkpoint_id=str(d))
+        with _quiet_dcp_fallback_logs():
+            dcp.load(template, checkpoint_id=str(d))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every failure becomes one line
         raise CheckpointError(f"cannot load checkpoint {d} (does it match this model and layout?): "
                               f"{_first_line(e)}") from e
     return template, harness
+
+
+class _DropDcpRecords(logging.Filter):
+    """Drops the records DCP's loader logs on the *root* logger (``torch/distributed/checkpoint/*.py`` calls
+    ``logging.getLogger()``) -- a damaged ``.metadata`` makes it log two warnings with full tracebacks while it tries
+    the global and then the rank-local metadata. Both failures are also in the exception it raises, which
+    :func:`load` turns into one line, so nothing is lost."""
+
+    _DIR = os.path.join("torch", "distributed", "checkpoint") + os.sep
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and self._DIR in record.pathname)
+
+
+@contextlib.contextmanager
+def _quiet_dcp_fallback_logs():
+    """Install :class:`_DropDcpRecords` on the root logger for the block."""
+    f = _DropDcpRecords()
+    root = logging.getLogger()
+    root.addFilter(f)
+    try:
+        yield
+    finally:
+        root.removeFilter(f)
 
 
 def load_newest_good(ckpt_root: str | os.PathLike, make_template) -> tuple[dict, dict, Path, list[str]]:

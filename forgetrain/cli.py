@@ -202,7 +202,7 @@ def _check_job(config_name: str, overrides: list[str]) -> str | None:
     check_model_choice(str(obj.get("model", {}).get("name")), choices.get("model"), scenario)
     if config_name in ("verify", "bench", "forge"):  # the command's own request (tier, references, kernel...)
         importlib.import_module(f"forgetrain.{config_name}").check_request(obj)
-    for extra in ("verify", "bench"):  # their own output directories, checked like train.out_dir
+    for extra in ("verify", "bench", "forge"):  # their own output directories, checked like train.out_dir
         check_out_dir(f"{extra}.out_dir", (obj.get(extra) or {}).get("out_dir"))
     for extra in ("verify", "tier", "bench", "forge", "agent"):
         obj.pop(extra, None)

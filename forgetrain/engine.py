@@ -66,6 +66,10 @@ class TrainEngine(Protocol):
 
     def export_hf_grads(self) -> dict[str, torch.Tensor]: ...
 
+    # Optional, not part of the protocol check: ``export_hf_clipped_grads() -> dict[str, Tensor] | None``, the
+    # gradients the last update applied (after clipping), HF layout; without it (or when it returns None) the
+    # harness derives them from export_hf_grads() as Megatron clips (``forgetrain.train.clipped_grads``).
+
     def train_step(self, micro_batches: list[torch.Tensor]) -> StepResult: ...
 
     @torch.no_grad()

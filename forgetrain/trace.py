@@ -5,8 +5,9 @@ A trace directory holds:
 * ``meta.json``    -- ``{"side", "scenario", "config_hash", "precision", "platform", "versions", "steps"}``
 * ``trace.jsonl``  -- one record per step: ``step`` (1-based, after the update), ``loss`` (nats), ``grad_norm``
   (pre-clip L2), ``lr``, ``tokens`` (cumulative, all ranks), ``step_s`` (s), ``tokens_per_s``, ``mfu_pct``,
-  optionally ``val_loss`` and ``digests`` (``per_token_loss``: sha256; ``params``/``grads``: name -> sha256 of the
-  fp32 HF-layout tensor after / used by this step).
+  optionally ``val_loss`` and ``digests`` (``per_token_loss``: sha256; ``params``/``grads``/``clipped_grads``:
+  name -> sha256 of the fp32 HF-layout tensor after this step / its pre-clip gradient / the gradient its update
+  applied, after clipping: ``forgetrain.train.clipped_grads``).
 * ``modules.json`` -- optional, step-1 module probes: name -> {"fwd", "fwd_l2", "grad", "grad_l2"}.
 * ``final.safetensors`` -- optional, the final parameters in the HF layout (fp32).
 

@@ -179,32 +179,59 @@ def _sample_text(engine, tok, cfg: RunConfig, device) -> str:
 def _lock_out_dir(out: Path, env: DistEnv):
     """Take ``<out>/.lock`` (an exclusive ``flock``, rank 0) for the run's lifetime, so a second run on the same
     directory -- a fresh one, a resume or an overwrite -- is refused while the first lives. The OS drops the lock
-    when the holder dies, even by kill -9. Returns the open lock file (None off rank 0). Raises ConfigError on
-    every rank when the directory is in use."""
-    import fcntl
+    when the holder dies, even by kill -9. Returns the open lock file (None off rank 0); :func:`_unlock_out_dir`
+    gives it back. Raises ConfigError on every rank when the directory is in use.
 
+    The holder unlinks the file when it ends (a run that wrote nothing leaves no directory behind), so a run that
+    opened the file before that unlink may then lock an inode no path names any more, while a third run creates
+    and locks a new ``.lock``: both would hold "the" lock. So a lock counts only when the path still names the
+    locked inode afterwards; otherwise it is dropped and taken again on the file the path names now (the
+    protocol of lock files that are removed by their holders, e.g. ``flufl.lock``, ``lockfile``)."""
     from forgetrain.errors import ConfigError
 
     fh, busy = None, None
     if env.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        fh = open(out / ".lock", "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fh.seek(0)
-            fh.truncate()
-            fh.write(f"{os.getpid()}\n")
-            fh.flush()
-        except OSError:
-            fh.seek(0)
-            busy = fh.read().strip() or "?"
-            fh.close()
-            fh = None
+        fh, busy = _flock_current(out / ".lock")
     busy = env.broadcast_object(busy)
     if busy is not None:
         raise ConfigError(f"{out} is in use by another run (pid {busy}); wait for it to end, or choose another "
                           f"train.out_dir")
     return fh
+
+
+def _flock_current(path: Path):
+    """``(open file, None)`` holding an exclusive flock on the inode ``path`` names once it is held, with this pid
+    written into it; or ``(None, pid)`` of the holder (``"?"`` when unreadable) when another process holds it."""
+    import fcntl
+
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            busy = fh.read().strip() or "?"
+            fh.close()
+            return None, busy
+        try:
+            current = os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:  # unlinked by the holder that just let go
+            current = False
+        if current:
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"{os.getpid()}\n")
+            fh.flush()
+            return fh, None
+        fh.close()  # a stale inode: its holder has ended; take the file the path names now
+
+
+def _unlock_out_dir(out: Path, fh) -> None:
+    """Give back :func:`_lock_out_dir`'s lock: unlink ``<out>/.lock`` while still holding it, then release it. A run
+    that locks the old inode after the unlink finds it stale and retries (:func:`_flock_current`)."""
+    (out / ".lock").unlink(missing_ok=True)
+    fh.close()
 
 
 def _missing_dirs(out: Path) -> list[Path]:
@@ -234,8 +261,7 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
         return _train(cfg, env, out, record=record, **kw)
     finally:
         if lock is not None:
-            (out / ".lock").unlink(missing_ok=True)
-            lock.close()
+            _unlock_out_dir(out, lock)
             for d in made:  # the lock made these directories: a run that wrote nothing leaves none behind
                 try:
                     d.rmdir()  # innermost first; a directory the run wrote into is not empty and stays
@@ -306,13 +332,17 @@ def _train(cfg: RunConfig, env: DistEnv, out: Path, *, record=None, kind: str = 
     ``<out>/init.safetensors``. ``engine_cls`` bypasses the registry (tests feed mutant engines). Raises ConfigError / DataError / CheckpointError on bad input.
 
     Phases, in order: :func:`_setup` (data, engine, initial weights), :func:`_resume` (``train.resume``: the newest
-    good checkpoint and the trace up to it), the config record, :func:`_open_sinks` (trace writer, W&B, the run's
+    good checkpoint and the trace up to it; a run already at ``train.steps`` ends here, having written nothing),
+    the config record, :func:`_open_sinks` (trace writer, W&B, the run's
     banner), :func:`_loop` (the steps, checkpoints) and :func:`_finish` (final parameters, sample, summary).
     """
     run = _setup(cfg, env, out, kind=kind, engine_name=engine_name, init_hf=init_hf, engine_cls=engine_cls,
                  export_init=export_init, progress=progress)
     if cfg.train.resume:
         _resume(run)
+        if run.start == cfg.train.steps:  # finished already: nothing to do, so nothing is written (no config record,
+            env.barrier()  # trace rewrite, W&B run, export or summary)
+            return out
     if record is not None and env.rank == 0:  # the data, engine and checkpoint all loaded: the run is on
         _record_config(out, record, cfg.train.resume)
     _open_sinks(run)
@@ -441,10 +471,10 @@ def _resume(run: _Run) -> None:
     ckpt_root = run.ckpt_root  # train() has checked it holds a checkpoint (_check_resumable)
     state, harness, last, skipped = checkpoint.load_newest_good(
         ckpt_root, lambda: checkpoint.to_cpu_tree(engine.state_dict(), share_pinned=True))
-    for why in skipped:
-        log.warning("skipping a damaged checkpoint, %s", why)
+    for why in skipped:  # one line each, the reason after the decision
         if env.rank == 0:
-            print(f"warning: checkpoint {why.split(':', 1)[0]} is damaged; resuming from {last.name} instead",
+            name, reason = why.split(": ", 1)
+            print(f"warning: checkpoint {name} is damaged; resuming from {last.name} instead ({reason})",
                   file=sys.stderr)
     engine.load_state_dict(state)
     start = int(harness["step"])
@@ -477,11 +507,11 @@ def _resume(run: _Run) -> None:
     run.wandb_id = harness.get("wandb_run_id")
     if recorded and recorded[-1]["step"] > start:  # steps past the checkpoint ran before and are redone
         run.rewound = (start + 1, recorded[-1]["step"])
-    if env.rank == 0:
+    if env.rank == 0 and start == t.steps:
+        print(f"the run is already complete (train.steps={t.steps}, checkpoint {last.name}); nothing to do, nothing "
+              f"was written: raise train.steps to train further", file=sys.stderr)
+    elif env.rank == 0:
         print(f"resumed from {last} at step {start}", file=sys.stderr)
-        if start == t.steps:
-            print(f"the run is already complete (train.steps={t.steps}); raise train.steps to train further",
-                  file=sys.stderr)
 
 
 def _open_sinks(run: _Run) -> None:
@@ -550,10 +580,7 @@ def _loop(run: _Run, progress: bool) -> None:
             if device.type == "cuda":  # the peak of allocated device memory so far (torch's allocator), GiB
                 rec["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if t.digests:
-                dg = {"per_token_loss": tensor_digest(res.per_token_loss)}
-                dg["grads"] = tensor_digests(engine.export_hf_grads())
-                dg["params"] = tensor_digests(engine.export_hf_weights())
-                rec["digests"] = dg
+                rec["digests"] = _step_digests(engine, res, t.clip_grad)
             if probe is not None:
                 if writer:
                     writer.write_modules(probe.records)
@@ -628,6 +655,39 @@ def _loop(run: _Run, progress: bool) -> None:
         bar.close()
     if writer:
         writer.flush()
+
+
+def _step_digests(engine, res, clip_grad: float) -> dict:
+    """The step's digests (``forgetrain.trace``): per-token losses, pre-clip gradients, the gradients the update
+    applied (:func:`clipped_grads`) and the parameters after the step. Every rank calls it (a TP engine's exports
+    are collectives)."""
+    pre = engine.export_hf_grads()
+    dg = {"per_token_loss": tensor_digest(res.per_token_loss), "grads": tensor_digests(pre)}
+    post = clipped_grads(engine, pre, res.grad_norm, clip_grad)
+    dg["clipped_grads"] = dg["grads"] if post is pre else tensor_digests(post)
+    dg["params"] = tensor_digests(engine.export_hf_weights())
+    return dg
+
+
+def clipped_grads(engine, pre: dict[str, torch.Tensor], grad_norm: float,
+                  clip_grad: float) -> dict[str, torch.Tensor]:
+    """The gradients the last step's update applied (after clipping), HF layout, fp32, name -> tensor of the
+    parameter's shape.
+
+    An engine that has ``export_hf_clipped_grads()`` reports its own (None there: not available in this layout,
+    e.g. ZeRO-1 or FSDP shards). Otherwise they are derived from ``pre`` (:meth:`export_hf_grads`, pre-clip) the
+    way Megatron clips (``clip_grad_by_total_norm_fp32``): ``coeff = clip_grad / (grad_norm + 1e-6)`` from the
+    step's reported pre-clip ``grad_norm``, and ``g * coeff`` (a Python float scale) only when ``clip_grad > 0``
+    and ``coeff < 1`` -- exactly the reference's clipped gradients, which its engine does not export (it is never
+    edited). Returns ``pre`` itself when no clipping applies."""
+    own = getattr(engine, "export_hf_clipped_grads", None)
+    got = own() if own is not None else None
+    if got is not None:
+        return got
+    coeff = clip_grad / (grad_norm + 1.0e-6) if clip_grad > 0 else 1.0
+    if not coeff < 1.0:  # NaN norm: nothing clipped either (Megatron's test is the same)
+        return pre
+    return {k: g * coeff for k, g in pre.items()}
 
 
 class _CtrlC:

@@ -17,6 +17,9 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the repo root
+from tests.limits import hang_s  # noqa: E402
+
 ENTRY = {"forgetrain": "forgetrain.cli", "forgetrain.verify": "forgetrain.verify", "forgetrain.bench": "forgetrain.bench"}
 
 
@@ -54,12 +57,14 @@ def _child(case: dict, out_path: str, err_path: str) -> int:
     return code
 
 
-def run_cases(cases: list[dict], scratch: str, timeout_s: float = 300.0) -> dict:
+def run_cases(cases: list[dict], scratch: str, timeout_s: float | None = None) -> dict:
+    """Run each case in a forked child; a child still running after ``timeout_s`` (default: tests/limits.py's
+    hang limit, taken per case) is killed and its rc is ``"timeout"``."""
     results = {}
     for case in cases:
         out_path = os.path.join(scratch, f"{case['id']}.out")
         err_path = os.path.join(scratch, f"{case['id']}.err")
-        t0 = time.time()
+        t0, limit = time.time(), timeout_s or hang_s()
         pid = os.fork()
         if pid == 0:
             code = 1
@@ -68,7 +73,7 @@ def run_cases(cases: list[dict], scratch: str, timeout_s: float = 300.0) -> dict
             finally:
                 os._exit(code)
         rc = None
-        while time.time() - t0 < timeout_s:
+        while time.time() - t0 < limit:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 rc = os.waitstatus_to_exitcode(status)

@@ -1,3 +1,6 @@
+"""Shared test setup. Time limits: a test waits on a subprocess at most ``tests.limits.hang_s()`` (a generous base
+scaled by the machine's load) -- a hang-catcher, never a speed judgement; see tests/limits.py."""
+
 import os
 import shutil
 import sys

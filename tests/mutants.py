@@ -53,6 +53,34 @@ class WrongClipping(Good):
         super()._adamw(named, lr)
 
 
+class _GradScale(torch.autograd.Function):
+    """Identity forward; multiplies the incoming gradient by ``k`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+class UnscaledAccumulation(Good):
+    """Sums the micro-batch losses instead of averaging them: the 1/gradient_accumulation_steps of Megatron's
+    schedule (and of DeepSpeed's ``engine.backward``) is missing. The reported loss is unchanged and, with clipping
+    active, so is the update direction: the gradient of the loss (the output layer's output gradient) is the first
+    place it shows, then the pre-clip gradient norm (x2 here)."""
+
+    def train_step(self, micro_batches):
+        n, fwd = float(len(micro_batches)), self.model.forward
+        self.model.forward = lambda ids, labels=None: _GradScale.apply(fwd(ids, labels), n)
+        try:
+            return super().train_step(micro_batches)
+        finally:
+            del self.model.forward
+
+
 class DroppedMicroBatch(Good):
     """Skips the last micro-batch of every step (but still divides by the full count)."""
 
@@ -82,11 +110,15 @@ class WrongQKVPermutation(Good):
         return out
 
 
-# mutant -> (kind of first divergence, module/tensor it must name or None, step)
+# mutant -> (kind of first divergence, module/tensor it must name or None, step): where the difference enters
 EXPECTED = {
     ChangedEpsilon: ("module_fwd", "layers.0.input_norm", 1),
     MissingScale: ("module_fwd", "layers.0.self_attention", 1),
-    WrongClipping: ("param", None, 2),  # step 1 runs at lr 0 (Megatron warmup), so params move at step 2
+    # the grads the update applies differ at step 1, every tensor (each is scaled by its own coefficient), named in
+    # backward order; the params only move at step 2 (step 1 runs at lr 0, Megatron's warmup)
+    WrongClipping: ("clipped_grad", "lm_head.weight", 1),
+    # the loss's gradient (the output layer's output gradient, computed by the loss) is the first wrong tensor
+    UnscaledAccumulation: ("module_grad", "output_layer", 1),
     DroppedMicroBatch: ("per_token_loss", None, 1),
     WrongRopeBase: ("module_fwd", "layers.0.self_attention", 1),
     WrongQKVPermutation: ("module_fwd", "layers.0.self_attention", 1),

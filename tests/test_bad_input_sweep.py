@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from tests.test_train import FAST, run
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [*FAST, "train.eval_interval=0", "train.sample_tokens=0", "hardware.peak_tflops=1"]  # no CPU peak timing
@@ -264,7 +265,8 @@ def swept(request, tmp_path_factory):
     if any(s == "no_gpu" for *_, s in selected):
         env["CUDA_VISIBLE_DEVICES"] = ""
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_fork.py"), str(base / "cases.json"),
-                        str(base / "results.json")], env=env, cwd=base, capture_output=True, text=True, timeout=1500)
+                        str(base / "results.json")], env=env, cwd=base, capture_output=True, text=True,
+                       timeout=hang_s())
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((base / "results.json").read_text())
     return {cid: (*meta[cid], results[cid]) for cid in meta}

@@ -31,6 +31,7 @@ import torch
 
 from references.torch_compile.engine import Engine as TorchCompile
 from tests.test_ladder import _cfg as _ladder_cfg
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -194,7 +195,7 @@ def test_bench_records_recompute_for_both_baselines(tmp_path):
             "bench.warmup=0", "bench.single_micro_batch=false", "bench.against=[torch_compile,torchtitan]",
             f"bench.out_dir={tmp_path}"]
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *args], cwd=ROOT, text=True,
-                       capture_output=True, timeout=600,
+                       capture_output=True, timeout=hang_s(),
                        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "bench.json").read_text())

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import hang_s
+
 ROOT = Path(__file__).resolve().parent.parent
 # the Hopper engine on CPU at the llama_micro shape, its Triton switches off (the interpreter is slow)
 FAST = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "kernels.adamw=torch", "kernels.swiglu=torch",
@@ -150,10 +152,10 @@ def test_warmup_zero_is_warned_about():
     assert "first timed step includes its one-time costs" in bench.warmup_warning(bench.BenchConfig(warmup=0))
 
 
-def _bench(tmp_path, *extra, timeout=600):
+def _bench(tmp_path, *extra, timeout=None):
     return subprocess.run([sys.executable, "-m", "forgetrain.bench", *FAST, "bench.against=[]", "bench.steps=1",
                            "bench.warmup=0", *extra, f"bench.out_dir={tmp_path}"],
-                          cwd=ROOT, text=True, capture_output=True, timeout=timeout,
+                          cwd=ROOT, text=True, capture_output=True, timeout=timeout or hang_s(),
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
 
@@ -169,7 +171,7 @@ def test_bench_cli_times_the_candidate_and_records_it(tmp_path):
 
 def test_bench_cli_refuses_a_workload_candidate_in_one_line(tmp_path):
     out = tmp_path / "b"
-    p = _bench(out, "bench.candidate={model.num_layers:1}", timeout=120)
+    p = _bench(out, "bench.candidate={model.num_layers:1}")
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "error: bench.candidate key 'model.num_layers' must be <group>.<name>" in p.stderr + p.stdout
     assert not out.exists()

@@ -29,6 +29,7 @@ from forgetrain.config import EngineOptions, KernelsConfig, validate as validate
 from forgetrain.errors import ConfigError  # noqa: E402
 from forgetrain.kernels.validate import validate  # noqa: E402
 from tests.test_ladder import _cfg  # noqa: E402
+from tests.limits import hang_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ce_m = kernels.module_of("ce_chunk")
@@ -164,7 +165,7 @@ def test_engine_switch_matches_torch():
     """``check_engine_matches_torch`` in its own process (Triton 3.6's interpreter keeps state between kernels in
     one process; see tests/test_hopper_cpu.py)."""
     p = subprocess.run([sys.executable, "-c", "import tests.test_ce_chunk as t; t.check_engine_matches_torch()"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT, capture_output=True, text=True, timeout=hang_s(),
                        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr[-3000:]
 

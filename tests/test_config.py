@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from forgetrain.config import RunConfig, register_configs, to_run_config, validate
 from forgetrain.errors import ConfigError
+from tests.limits import hang_s
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ["scenario", "model", "train", "data", "parallel", "hardware", "logger"]
@@ -130,7 +131,7 @@ def test_quiet_libraries_keeps_the_users_own_future_warnings():
             "    warnings.warn_explicit(f'deprecated in {mod}', FutureWarning, mod.replace('.', '/') + '.py', 1, "
             "module=mod)\n")
     root = Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_s(), cwd=root,
                        env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert p.returncode == 0, p.stderr
     shown = [ln for ln in p.stderr.splitlines() if "FutureWarning" in ln]

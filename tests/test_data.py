@@ -18,6 +18,7 @@ from forgetrain.config import DataConfig
 from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare
 from forgetrain.data.loader import open_indexed
 from forgetrain.errors import DataError
+from tests.limits import hang_s
 
 prepare_mod = importlib.import_module("forgetrain.data.prepare")  # the module (forgetrain.data.prepare is the function)
 REPO = Path(__file__).resolve().parents[1]
@@ -331,7 +332,7 @@ def test_windows_validation(stream, tmp_path):
 def test_cli_errors_are_one_line(tmp_path, args):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "forgetrain.prepare", "--out", str(tmp_path), *args],
-                       capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=hang_s())
     assert r.returncode != 0
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
@@ -342,7 +343,7 @@ def test_cli_prepares(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "forgetrain.prepare", "--source", str(src), "--out", str(tmp_path / "o"),
                         "--vocab-size", "300", "--quiet"], capture_output=True, text=True, cwd=REPO, env=env,
-                       timeout=120)
+                       timeout=hang_s())
     assert r.returncode == 0, r.stderr
     prefix = next(line.split("data.path=")[1].split()[0] for line in r.stdout.splitlines() if "data.path=" in line)
     assert TokenWindows(prefix, 16, 0).num_tokens > 0
@@ -356,7 +357,7 @@ def test_token_windows_read_megatrons_bytes_without_importing_megatron(tmp_path)
     code = ("import sys; from forgetrain.data import TokenWindows\n"
             "w = TokenWindows(sys.argv[1], 16, 1)\nprint(len(w), w.window(0)[:4].tolist())\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))\n")
-    p = subprocess.run([sys.executable, "-c", code, out.train_prefix], capture_output=True, text=True, timeout=120,
+    p = subprocess.run([sys.executable, "-c", code, out.train_prefix], capture_output=True, text=True, timeout=hang_s(),
                        env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == "[]"

@@ -146,34 +146,8 @@ def test_forged_vs_deepspeed(ds_ref, tmp_path):
     assert v.passed, v.summary
 
 
-# Mutants that the DeepSpeed comparison rejects. Each is a llama_tiny_cpu engine with one defect.
-class _GradScale(torch.autograd.Function):
-    """Identity forward; multiplies the incoming gradient by ``k`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, k):
-        ctx.k = k
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.k, None
-
-
-class UnscaledAccumulation(Good):
-    """Sums the micro-batch losses instead of averaging them: the 1/gradient_accumulation_steps that DeepSpeed's
-    ``engine.backward`` applies is missing. The reported loss is unchanged and, with clipping active, so is the
-    update direction: only the pre-clip gradient norm shows it (x2 here)."""
-
-    def train_step(self, micro_batches):
-        n, fwd = float(len(micro_batches)), self.model.forward
-        self.model.forward = lambda ids, labels=None: _GradScale.apply(fwd(ids, labels), n)
-        try:
-            return super().train_step(micro_batches)
-        finally:
-            del self.model.forward
-
-
+# Mutants that the DeepSpeed comparison rejects. Each is a llama_tiny_cpu engine with one defect (more in
+# tests/mutants.py, UnscaledAccumulation among them).
 class NormWeightDecay(Good):
     """Applies weight decay to the RMSNorm weights too (DeepSpeed/HF-Trainer and Megatron groups exempt them)."""
 
@@ -188,7 +162,7 @@ class NormWeightDecay(Good):
 def _mutants():
     import tests.mutants as M
 
-    return [UnscaledAccumulation, NormWeightDecay, M.MissingScale, M.DroppedMicroBatch, M.WrongQKVPermutation]
+    return [M.UnscaledAccumulation, NormWeightDecay, M.MissingScale, M.DroppedMicroBatch, M.WrongQKVPermutation]
 
 
 @pytest.mark.parametrize("mutant", _mutants(), ids=lambda m: m.__name__)
@@ -237,7 +211,7 @@ def ds_dp2(tmp_path_factory):
     jobs = [{"side": "reference", "reference": "deepspeed", "out": str(d["ref"]), "overrides": DP2},
             {"side": "candidate", "out": str(d["cand"]), "init": init, "overrides": DP2},
             {"side": "candidate", "out": str(d["unscaled"]), "init": init, "overrides": DP2,
-             "engine": "tests.test_deepspeed_ref:UnscaledAccumulation"},
+             "engine": "tests.mutants:UnscaledAccumulation"},
             {"side": "reference", "reference": "deepspeed", "out": str(d["ref_gb4"]), "overrides": gb4}]
     return Runs(d, run_jobs(jobs, tmp, _cache(tmp_path_factory)), 0.0)
 

@@ -146,7 +146,9 @@ def test_bitwise_nan_never_passes(pair):
     assert not v.passed and v.first_divergence["step"] == 3 and v.first_divergence["kind"] == "loss"
 
 
-def test_bitwise_grad_digest_names_first_tensor_in_forward_order(pair):
+def test_bitwise_grad_digest_names_first_tensor_in_backward_order(pair):
+    """Parameter gradients are produced from lm_head back to the embedding: the first one the backward got wrong
+    is the latest in forward order (the earlier ones may only have inherited it)."""
     ref, make = pair
     late, early = "model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight"
 
@@ -160,7 +162,7 @@ def test_bitwise_grad_digest_names_first_tensor_in_forward_order(pair):
     v = bitwise(ref, make(m))
     assert not v.passed
     fd = v.first_divergence
-    assert (fd["step"], fd["kind"], fd["tensor"]) == (3, "grad", early)
+    assert (fd["step"], fd["kind"], fd["tensor"]) == (3, "grad", late)
     assert fd["ref"] != fd["cand"]
     assert v.evidence["mismatch_counts"] == {"grad": 2, "param": 1, "per_token_loss": 1}
 
@@ -212,10 +214,93 @@ def test_bitwise_module_grad_reports_both_orders(pair):
 
     v = bitwise(ref, make(m))
     ev = v.evidence["modules"]
-    assert not v.passed and v.first_divergence["kind"] == "module_grad"
-    assert v.first_divergence["module"] == "embedding"  # first in forward order, as documented
+    fd = v.first_divergence
+    assert not v.passed and fd["kind"] == "module_grad"
+    assert fd["module"] == "layers.1.self_attention"  # the first the backward got wrong, not the embedding
+    assert fd["produced_by"] == "layers.1.pre_mlp_norm"  # the backward that computed that output gradient
     assert ev["first_grad_mismatch_backward_order"] == "layers.1.self_attention"
+    assert ev["first_grad_mismatch_forward_order"] == "embedding"
     assert ev["fwd_mismatches"] == []
+
+
+def test_bitwise_a_wrong_loss_gradient_is_named_at_the_output_layer(pair):
+    """An unscaled gradient accumulation (every gradient x2, the loss itself unchanged) enters at the loss's own
+    backward: every module and parameter gradient differs, and the verdict names the output layer, produced by
+    the loss -- not the embedding, the first in forward order."""
+    ref, make = pair
+
+    def m(run):
+        for i, name in enumerate(MODULES):
+            run["modules"][name]["grad"] = _bad(300 + i)
+            run["modules"][name]["grad_l2"] *= 2
+        for s, rec in enumerate(run["records"]):
+            rec["grad_norm"] *= 2
+            rec["digests"]["grads"] = {n: _bad(1000 * s + i) for i, n in enumerate(PARAMS)}
+
+    fd = bitwise(ref, make(m)).first_divergence
+    assert (fd["step"], fd["kind"], fd["module"], fd["produced_by"]) == (1, "module_grad", "output_layer", "loss")
+    assert fd["cand"]["l2"] == 2 * fd["ref"]["l2"]
+
+
+def _with_clipped(run: dict) -> dict:
+    """``run`` with each step's clipped gradients recorded (here the pre-clip digests: no clip applied)."""
+    for rec in run["records"]:
+        rec["digests"]["clipped_grads"] = dict(rec["digests"]["grads"])
+    return run
+
+
+def test_bitwise_clipped_grads_name_the_clip(tmp_path):
+    """A wrong clip (pre-clip grads and grad norm equal) is named at the clipped gradients of its step, in backward
+    order, before the params it moves; a wrong grad norm at that step still comes first."""
+    ref = write_run(tmp_path / "ref", _with_clipped(base_run()))
+    run = _with_clipped(base_run())
+    for n in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        run["records"][1]["digests"]["clipped_grads"][n] = _bad(11)
+    run["records"][1]["digests"]["params"]["model.embed_tokens.weight"] = _bad(12)
+    v = bitwise(ref, write_run(tmp_path / "cand", run))
+    fd = v.first_divergence
+    assert (fd["step"], fd["kind"], fd["tensor"]) == (2, "clipped_grad", "lm_head.weight"), fd
+    assert v.evidence["mismatch_counts"] == {"clipped_grad": 2, "param": 1}
+    assert v.evidence["digests"]["clipped_grads_steps"] == 6
+    run["records"][1]["grad_norm"] += 1e-9
+    fd = bitwise(ref, write_run(tmp_path / "cand2", run)).first_divergence
+    assert (fd["step"], fd["kind"]) == (2, "grad_norm")
+
+
+def test_bitwise_clipped_grads_on_one_side_only_are_not_required(tmp_path):
+    """A golden recorded before clipped gradients were traced still judges a candidate that records them."""
+    ref = write_run(tmp_path / "ref", base_run())
+    v = bitwise(ref, write_run(tmp_path / "cand", _with_clipped(base_run())))
+    assert v.passed, v.summary
+    assert v.evidence["digests"]["clipped_grads_steps"] == 0
+    assert v.evidence["digests"]["one_sided_steps"] == {"clipped_grads": 6}
+    assert "clipped grads" not in v.summary
+
+
+def test_harness_clipped_grads_are_the_engines_own_or_derived_as_megatron_clips():
+    """forgetrain.train.clipped_grads: an engine's export_hf_clipped_grads() when it has them; else (None, or no
+    such method, e.g. the Megatron reference) pre-clip x clip_grad / (grad_norm + 1e-6), only when that is < 1."""
+    from forgetrain.train import clipped_grads
+
+    pre = {"w": torch.tensor([2.0, -1.0, 0.5])}
+
+    class NoExport:
+        pass
+
+    class Own:
+        def export_hf_clipped_grads(self):
+            return {"w": torch.zeros(3)}
+
+    class NotKept:
+        def export_hf_clipped_grads(self):
+            return None
+
+    for eng in (NoExport(), NotKept()):
+        assert torch.equal(clipped_grads(eng, pre, 4.0, 1.0)["w"], pre["w"] * (1.0 / (4.0 + 1e-6)))
+        assert clipped_grads(eng, pre, 0.5, 1.0) is pre  # coefficient >= 1: nothing clipped
+        assert clipped_grads(eng, pre, 4.0, 0.0) is pre  # train.clip_grad=0: clipping off
+        assert clipped_grads(eng, pre, float("nan"), 1.0) is pre  # Megatron's `coeff < 1.0` is false for NaN
+    assert torch.equal(clipped_grads(Own(), pre, 4.0, 1.0)["w"], torch.zeros(3))
 
 
 def test_bitwise_final_params_one_ulp(pair):

@@ -29,6 +29,7 @@ from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.test_ladder import _cfg
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -87,7 +88,7 @@ def _candidate(name: str, ref: Path, out: Path, **model) -> Path:
     code = f"from tests.test_fast_tiers import run_switch; run_switch({name!r}, {str(ref)!r}, {str(out)!r})"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=hang_s())
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 

@@ -25,6 +25,7 @@ from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.install import install
 from forgetrain.forge.knowledge import KnowledgeBase
 from forgetrain.forge.loop import forge
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "forge_agents" / "scripted_agent.py"
@@ -37,15 +38,15 @@ def micro_rc() -> RunConfig:
                      train=TrainConfig(micro_batch_size=2, global_batch_size=4, threads=1))
 
 
-def agent_for(tmp: Path, rounds: dict, timeout_s: float = 120.0, name: str = "plan") -> AgentConfig:
+def agent_for(tmp: Path, rounds: dict, timeout_s: float | None = None, name: str = "plan") -> AgentConfig:
     plan = tmp / f"{name}.json"
     plan.write_text(json.dumps({"rounds": {str(k): v for k, v in rounds.items()}}))
-    return AgentConfig(command=f"{sys.executable} {AGENT} {plan}", timeout_s=timeout_s)
+    return AgentConfig(command=f"{sys.executable} {AGENT} {plan}", timeout_s=timeout_s or hang_s())
 
 
 def options(tmp: Path, **kw) -> ForgeOptions:
     base = dict(max_rounds=2, target_tier="bitwise", verify_steps=2, baseline=False, out_dir=str(tmp / "out"),
-                kb_path=str(tmp / "kb.jsonl"), ladder_timeout_s=300.0)
+                kb_path=str(tmp / "kb.jsonl"), ladder_timeout_s=hang_s())
     base.update(kw)
     return ForgeOptions(**base)
 
@@ -250,10 +251,10 @@ def test_hung_agent_is_killed_and_the_loop_goes_on(tmp_path):
 def _cli(tmp: Path, plan: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "forgetrain.forge", f"scenario={SCENARIO}", "model=llama_micro",
            "train.micro_batch_size=2", "train.global_batch_size=4", "train.threads=1",
-           f"agent.command={sys.executable} {AGENT} {plan}", "agent.timeout_s=120", "forge.max_rounds=3",
+           f"agent.command={sys.executable} {AGENT} {plan}", f"agent.timeout_s={hang_s():.0f}", "forge.max_rounds=3",
            "forge.baseline=false", "forge.verify_steps=2", f"forge.out_dir={tmp / 'out'}",
            f"forge.kb_path={tmp / 'kb.jsonl'}", f"hydra.run.dir={tmp / 'hydra'}", *extra]
-    return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=400)
+    return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=hang_s())
 
 
 def test_crash_mid_run_then_resume_continues_from_round_2(tmp_path, data_cache):
@@ -322,7 +323,8 @@ def test_existing_run_needs_resume_or_overwrite_and_options_are_checked(tmp_path
 
 def test_cli_one_line_error_without_agent_command(tmp_path):
     p = subprocess.run([sys.executable, "-m", "forgetrain.forge", f"forge.out_dir={tmp_path / 'o'}",
-                        f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                        f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=hang_s())
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: set agent.command"), p.stderr[-1500:]
 
@@ -439,7 +441,7 @@ def test_agent_commits_are_undone_and_still_judged(tmp_path):
                       "git -c user.name=a -c user.email=a@b commit -qam 'agent commit'\n")
     script.chmod(0o755)
     ladder = StubLadder()
-    forge(micro_rc(), options(tmp_path, max_rounds=1), AgentConfig(command=str(script), timeout_s=60),
+    forge(micro_rc(), options(tmp_path, max_rounds=1), AgentConfig(command=str(script), timeout_s=hang_s()),
           ladder_fn=ladder, gate_paths=fake_gates(tmp_path))
     ws = tmp_path / "out" / "workspace"
     log = log_of(tmp_path / "out")

@@ -28,6 +28,7 @@ from forgetrain.forge.kernel import forge_kernel, render_brief
 from forgetrain.forge.knowledge import KnowledgeBase
 from forgetrain.kernels.switches import KERNEL_DIR, file_sha256
 from tests.test_ladder import _cfg
+from tests.limits import hang_s
 
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def _rc(scenario="llama1b_h200"):
 def _plan(tmp: Path, name: str, rounds: dict) -> AgentConfig:
     p = tmp / f"{name}.json"
     p.write_text(json.dumps({"rounds": rounds}))
-    return AgentConfig(command=f"{sys.executable} {AGENT} {p}", timeout_s=120)
+    return AgentConfig(command=f"{sys.executable} {AGENT} {p}", timeout_s=hang_s())
 
 
 def _opts(tmp: Path, out: str, rounds: int, **kw) -> ForgeOptions:
@@ -154,7 +155,7 @@ def test_cli_kernel_target_bad_input_is_one_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "kernel=nope", "forge.max_rounds=0",
                         f"forge.out_dir={tmp_path / 'o'}"], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=hang_s())
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines == [lines[-1]] and lines[-1].startswith("error: unknown kernel 'nope'"), lines

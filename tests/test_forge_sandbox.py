@@ -26,6 +26,7 @@ from forgetrain.forge import sandbox
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.loop import forge
 from tests.test_forge import StubLadder, agent_for, fake_gates, log_of, micro_rc, options
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -231,7 +232,8 @@ def _guarded(tmp: Path, snippet: str) -> tuple[int, dict | None, str]:
     (ws / "engine" / "engine.py").write_text(snippet.format(golden=golden, repo=ROOT, tmp=tmp)
                                              + "\n\nclass Engine:\n    pass\n")
     p = subprocess.run([sys.executable, "-c", _HELPER, str(ws), str(golden), str(ladder),
-                        str(ladder / "bitwise" / "candidate")], cwd=tmp, capture_output=True, text=True, timeout=300,
+                        str(ladder / "bitwise" / "candidate")], cwd=tmp, capture_output=True, text=True,
+                       timeout=hang_s(),
                        env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1"))
     rep = sandbox.read_report(p.stdout.split("REPORT\n", 1)[1].splitlines()) if "REPORT\n" in p.stdout else None
     return p.returncode, rep, p.stdout + p.stderr
@@ -301,13 +303,13 @@ def test_source_only_loader_runs_the_scanned_source(tmp_path):
             "E = L(sys.argv[1]); print(E.value)\n"
             "import importlib\ntry:\n    importlib.import_module('_forge_candidate.extra')\n"
             "except ModuleNotFoundError as e:\n    print('refused', e)\n")
-    p = subprocess.run([sys.executable, "-c", code, str(eng)], capture_output=True, text=True, timeout=120,
+    p = subprocess.run([sys.executable, "-c", code, str(eng)], capture_output=True, text=True, timeout=hang_s(),
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == "source" and "refused" in p.stdout and ".py files" in p.stdout
     # without the source-only loader, Python itself would have run the planted bytecode
     p = subprocess.run([sys.executable, "-c", "import model; print(model.VALUE)"], cwd=eng, capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=hang_s())
     assert p.stdout.strip() == "planted", (p.stdout, p.stderr)
 
 
@@ -327,7 +329,7 @@ def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
     wsmod.seed(ws, "llama_tiny_cpu", None, "megatron", tmp_path / "spec.json")
     p = subprocess.run([sys.executable, "-m", "forgetrain.forge._ladder", "--spec", str(tmp_path / "spec.json"),
                         "--workspace", str(ws), "--out", str(tmp_path / "lad")], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       text=True, timeout=hang_s(), env=dict(os.environ, PYTHONPATH=str(ROOT)))
     res = json.loads((tmp_path / "lad" / "ladder_result.json").read_text())
     assert res["ok"] and not res["rejected"] and res["error"] is None, (p.stdout[-2000:], p.stderr[-2000:])
     assert res["tiers_tried"] == ["tolerance", "surpass"] and res["strictest_passed"] == "tolerance"

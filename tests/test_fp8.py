@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from scenarios.llama1b_h200 import fp8
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 BENFORD = (0.5 - 0.125) / math.log(2)  # E[1/m^2], m the mantissa in [1, 2) of log-uniformly spread values
@@ -156,7 +157,7 @@ FAST = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "kernels.a
 
 def _train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "forgetrain", *FAST, *extra, f"train.out_dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=hang_s())
 
 
 def _losses(out: Path) -> list[float]:
@@ -199,7 +200,7 @@ def test_bench_labels_an_fp8_side_and_records_it(tmp_path):
 
     p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *FAST[:-2], "engine.fp8=tensorwise",
                         "bench.against=[]", "bench.steps=1", "bench.warmup=1", "bench.single_micro_batch=false",
-                        f"bench.out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        f"bench.out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]
     note = "note: side 'forged' runs its decoder layers' GEMMs in FP8 (engine.fp8=tensorwise)"
     assert note in p.stdout, p.stdout[-2000:]

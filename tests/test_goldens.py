@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from forgetrain import equivalence as eq
 from forgetrain.verify import GOLDEN_ROOT, VerifyConfig, run_candidate
 from tests.test_ladder import _cfg
+from tests.limits import hang_s
 
 GOLDENS = sorted((GOLDEN_ROOT / "cpu").glob("llama_tiny_cpu-bitwise-*")) if (GOLDEN_ROOT / "cpu").exists() else []
 
@@ -89,7 +90,7 @@ def test_documented_golden_command_works(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(root.parent.parent))
     p = subprocess.run([sys.executable, "-m", "forgetrain.verify", *GOLDEN_COMMAND, "verify.golden=true",
                         f"verify.out_dir={tmp_path / 'v'}"], cwd=tmp_path, env=env, text=True, capture_output=True,
-                       timeout=600)
+                       timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]
     assert "bitwise  pass" in p.stdout + p.stderr and "reference: the stored golden" in p.stderr
 

@@ -19,6 +19,7 @@ from forgetrain.config import EngineOptions, KernelsConfig
 from scenarios.llama1b_h200 import wgrad
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.test_ladder import _cfg
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,7 +181,7 @@ def test_exact_mode_rejects_the_switch(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama1b_h200", "hardware=cpu",
                         "model=llama_micro", "engine.mode=exact", "engine.grad_accum_fusion=true",
-                        f"train.out_dir={out}"], cwd=ROOT, text=True, capture_output=True, timeout=300)
+                        f"train.out_dir={out}"], cwd=ROOT, text=True, capture_output=True, timeout=hang_s())
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines[-1].startswith("error: engine.grad_accum_fusion=true needs engine.mode=fast"), lines[-1]

@@ -17,6 +17,7 @@ from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.test_ladder import _cfg
+from tests.limits import hang_s
 
 
 def _exact(**train):
@@ -78,7 +79,7 @@ def test_fast_mode_switches_match_exact_at_step1_and_train(name):
 
     root = Path(__file__).resolve().parent.parent
     p = subprocess.run([sys.executable, "-c", f"import tests.test_hopper_cpu as t; t.check_switch({name!r})"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+                       cwd=root, capture_output=True, text=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-3000:]
 
 

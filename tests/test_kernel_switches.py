@@ -23,6 +23,7 @@ from forgetrain.kernels import switches
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from scenarios.llama_tiny_cpu.engine import Engine as TinyCPU
 from tests.test_ladder import _cfg
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +57,7 @@ def test_everything_reads_the_one_declaration():
 
 def test_cli_lists_the_switches():
     p = subprocess.run([sys.executable, "-m", "forgetrain.kernels", "switches"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr
     assert len(p.stdout.splitlines()) == sum(len(s.values) for s in switches.SWITCHES)
     assert "kernels.adamw=fused" in p.stdout and "needs a seal" in p.stdout
@@ -101,7 +102,7 @@ def test_cli_refuses_an_unhonoured_switch_in_one_line(tmp_path):
                         "model=llama_micro", "engine.mode=exact", "engine.grad_accum_fusion=false",
                         "engine.onepass_optimizer=false", "engine.compile=false", "kernels.adamw=torch",
                         "kernels.swiglu=torch", "kernels.ce_chunk=torch", f"train.out_dir={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=hang_s())
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines[-1].startswith("error: kernels.cross_entropy=chunked is not honoured by engine scenarios.llama1b_h200.engine:Engine in "
@@ -176,7 +177,7 @@ def test_compile_with_a_triton_kernel_inside_the_layers_is_refused_on_cpu(tmp_pa
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama1b_h200", "hardware=cpu", "model=llama_micro",
                         "train.lr_warmup_steps=1", f"train.out_dir={out}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=hang_s())
     lines = [x for x in p.stderr.strip().splitlines() if x]
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines[-1].startswith("error: engine.compile=true cannot run Triton kernels on CPU (kernels.swiglu=triton:"), \
@@ -194,5 +195,5 @@ def test_cli_runs_a_triton_kernel_on_cpu_without_triton_interpret_set(tmp_path):
                         "engine.compile=false", "engine.onepass_optimizer=false", "kernels.adamw=torch",
                         "kernels.ce_chunk=torch", "train.steps=1", "train.lr_warmup_steps=0", "train.threads=1",
                         f"train.out_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]

@@ -31,6 +31,7 @@ from forgetrain.kernels import seal as seal_mod  # noqa: E402
 from forgetrain.kernels.spec import KernelSpec  # noqa: E402
 from forgetrain.kernels.validate import (KernelValidationError, format_report, load_tolerances,  # noqa: E402
                                          validate)
+from tests.limits import hang_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 rmsnorm_m = kernels.module_of("rmsnorm")
@@ -94,7 +95,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("triton has no nvidia backend here")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "forgetrain.kernels.aot_check", "90"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_s())
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok  ") >= 12
 
@@ -497,10 +498,10 @@ def test_bench_dry_run_on_cpu_exercises_the_pipeline(monkeypatch):
     assert res["cases"][0]["fwd"]["candidate"]["ms"] > 0 and not res["cases"][0]["fwd_bwd"]
 
 
-def _cli(*args, timeout=300):
+def _cli(*args, timeout=None):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "forgetrain.kernels", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout or hang_s())
 
 
 def test_cli_validate_list_and_bench(tmp_path):

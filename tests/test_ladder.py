@@ -11,6 +11,7 @@ import pytest
 
 from forgetrain import equivalence as eq
 from forgetrain.config import RunConfig, to_run_config
+from forgetrain.engine import forward_names
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from tests.mutants import EXPECTED
 
@@ -48,6 +49,8 @@ def test_forged_matches_reference_bitwise(ref, tmp_path):
     assert v.passed, v.summary
     ev = v.evidence
     assert ev["digests"]["compared"] and ev["modules"]["compared"] and ev["final_params"]["compared"]
+    # the forged engine's own clipped grads equal those derived for the reference (Megatron's clip arithmetic)
+    assert ev["digests"]["clipped_grads_steps"] == STEPS
 
 
 def test_resume_matches_reference_bitwise(ref, tmp_path):
@@ -64,6 +67,9 @@ def test_bitwise_rejects_mutant_at_the_right_place(mutant, ref, tmp_path):
     assert fd["kind"] == kind and fd["step"] == step, fd
     if where:
         assert fd.get("module", fd.get("tensor")) == where, fd
+    if kind == "module_grad":  # the output gradient of the module named: computed by the next one's backward
+        names = list(forward_names(2))
+        assert fd["produced_by"] == (names + ["loss"])[names.index(where) + 1], fd
 
 
 @pytest.mark.parametrize("mutant", list(EXPECTED), ids=lambda m: m.__name__)

@@ -15,6 +15,7 @@ from forgetrain import memory
 from forgetrain.config import EngineOptions, KernelsConfig, ModelConfig, RunConfig, TrainConfig, validate
 from forgetrain.errors import ConfigError
 from forgetrain.memory import GIB, estimate
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["model=llama_micro", "train.steps=2", "train.lr_warmup_steps=1", "train.micro_batch_size=4",
@@ -156,7 +157,7 @@ def test_bench_footprint_is_the_estimate():
 def _cli(module: str, args: list[str], cwd: Path, fake_gib: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{memory.FAKE_DEVICE_ENV: fake_gib})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, text=True, capture_output=True,
-                          timeout=600)
+                          timeout=hang_s())
 
 
 @pytest.mark.parametrize("module,extra", [

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import hang_s
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
 
@@ -66,7 +68,8 @@ def compare(precision: str, drop_scale: bool = False) -> None:
 
 def _run(code: str) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=hang_s())
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout.strip().splitlines()[-1]
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 
 from forgetrain import equivalence as eq
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
@@ -72,10 +73,10 @@ def _cache(tmp_path_factory) -> str:
     return os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
 
 
-def torchrun(argv: list[str], env: dict, timeout: float = 600, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(argv: list[str], env: dict, timeout: float | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(_free_port()), *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout or hang_s())
 
 
 def _errors(p: subprocess.CompletedProcess) -> str:
@@ -449,7 +450,7 @@ def test_two_launcher_rendezvous_writes_the_single_launcher_trace(dp2, cache, tm
     port, env = _free_port(), _env(cache)
     procs = [_launcher(i, port, ["-m", "tests.parallel_worker", str(spec)], env, tmp_path / f"node{i}.log")
              for i in range(2)]
-    rcs = [p.wait(timeout=300) for p in procs]
+    rcs = [p.wait(timeout=hang_s()) for p in procs]
     assert rcs == [0, 0], (tmp_path / "node0.log").read_text()[-3000:] + (tmp_path / "node1.log").read_text()[-3000:]
     v = bitwise(dp2["cand"], out)
     assert v.passed, v.summary
@@ -464,7 +465,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _worker_pid(launcher: subprocess.Popen, deadline: float) -> int:
-    while time.time() < deadline:
+    while time.time() < deadline and launcher.poll() is None:
         kids = _children(launcher.pid)
         if kids:
             return kids[0]
@@ -503,14 +504,14 @@ def test_lost_rank_ends_the_job_with_a_clear_message(cache, tmp_path, how):
     procs = [_launcher(i, port, argv, env, logs[i]) for i in range(2)]
     workers: list[int] = []
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + hang_s()
         victim = _worker_pid(procs[1], deadline)
         workers = [victim, _worker_pid(procs[0], deadline)]
         _wait_for_training(logs, deadline)
         time.sleep(2.0)  # a few steps into training
         t0 = time.time()
         os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-        rc = procs[0].wait(timeout=60)
+        rc = procs[0].wait(timeout=hang_s())
         elapsed = time.time() - t0
         text = logs[0].read_text()
         assert rc != 0
@@ -545,7 +546,7 @@ def test_cli_torchrun_dp2_then_resume_at_dp1(cache, tmp_path):
         "__0_0.distcp", "__1_0.distcp"]
     env = dict(_env(cache), OMP_NUM_THREADS="2")
     q = subprocess.run([sys.executable, "-m", "forgetrain", "parallel=single", "train.resume=true", *args],
-                       cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
+                       cwd=ROOT, env=env, text=True, capture_output=True, timeout=hang_s())
     assert q.returncode == 0, q.stderr[-3000:]
     assert "resumed from" in q.stderr and "=== summary ===" in q.stderr
     assert [r["step"] for r in eq_records(out)] == list(range(1, 7))
@@ -568,7 +569,7 @@ def test_dp2_final_export_failure_is_rank_0s_line_on_every_rank(cache, tmp_path)
     out = tmp_path / "run"
     p = torchrun(["-m", "forgetrain", "parallel=dp2", "model=llama_micro", "train.steps=2", "train.lr_warmup_steps=1",
                   "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_interval=0",
-                  "train.sample_tokens=0", "train.save=false", f"train.out_dir={out}"], env, timeout=300)
+                  "train.sample_tokens=0", "train.save=false", f"train.out_dir={out}"], env)
     errs = {x for x in p.stderr.splitlines() if x.startswith("error:")}
     assert p.returncode != 0, _errors(p)
     assert len(errs) == 1, _errors(p)

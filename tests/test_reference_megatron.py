@@ -17,6 +17,7 @@ from forgetrain.config import ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from forgetrain.engine import TrainEngine, forward_names, hf_param_names  # noqa: E402
 from forgetrain.schedule import lr_for_step  # noqa: E402
 from references.megatron.engine import Engine  # noqa: E402
+from tests.limits import hang_s  # noqa: E402
 
 VOCAB, SEQ, MB = 256, 32, 2
 
@@ -163,6 +164,25 @@ def test_export_hf_grads_are_pre_clip():
     assert abs(total - r.grad_norm) < 1e-5 * r.grad_norm  # the unclipped norm, not 0.5
 
 
+def test_harness_derives_megatrons_clipped_grads_to_the_bit():
+    """The reference exports pre-clip grads only (it is never edited); the harness's trace of it derives the
+    clipped ones (forgetrain.train.clipped_grads). They equal, to the bit, the main_grad buffers Megatron's fp32
+    optimizer clipped in place in step()."""
+    from forgetrain.train import clipped_grads
+    from references.megatron import convert
+
+    e = engine(clip_grad=0.5)
+    r = e.train_step(batches(1)[0])
+    assert r.grad_norm > 0.5  # the clip applied
+    pre = e.export_hf_grads()
+    derived = clipped_grads(e, pre, r.grad_norm, 0.5)
+    clipped = convert.megatron_to_hf({n: p.main_grad.detach().float().clone() for n, p in e._named_params().items()},
+                                     e.cfg.model)
+    assert set(derived) == set(clipped) == set(pre)
+    assert all(torch.equal(derived[n], clipped[n]) for n in pre)
+    assert not any(torch.equal(derived[n], pre[n]) for n in pre)  # and they are not the pre-clip ones
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_export_load_round_trip(precision):
     a = engine(precision=precision)
@@ -301,5 +321,5 @@ def test_shim_leaves_the_torch_device_context_manager_working(warm):
     root = str(Path(__file__).resolve().parent.parent)
     guard = "" if warm else "shim._warm_device_constructors = lambda: None"
     p = subprocess.run([sys.executable, "-c", _DEVICE_CONTEXT_PROBE.format(root=root, warm_guard=guard)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_s())
     assert (p.returncode == 0) == warm, p.stdout + p.stderr[-2000:]

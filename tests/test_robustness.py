@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_train import FAST, records, run
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [*FAST, "train.eval_interval=0", "train.sample_tokens=0"]
@@ -82,25 +83,33 @@ def test_damaged_latest_pointer_falls_back_to_newest_complete_checkpoint(damage,
 def _damage(ck: Path, damage: str) -> None:
     if damage == "bad_harness":
         (ck / "harness.json").write_text("{}")
+    elif damage == "random_metadata":
+        (ck / ".metadata").write_bytes(os.urandom(300))
     else:
         shard = sorted(ck.glob("*.distcp"))[0]
         data = shard.read_bytes()
         shard.write_bytes(data[: len(data) // 2] if damage == "truncated_shard" else b"")
 
 
-@pytest.mark.parametrize("damage", ["truncated_shard", "empty_shard", "bad_harness"])
+DAMAGES = ["truncated_shard", "empty_shard", "bad_harness", "random_metadata"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(damage, finished, tmp_path):
-    """A damaged newest checkpoint with an intact older one: resume from the older one, with a warning naming both."""
+    """A damaged newest checkpoint with an intact older one: resume from the older one, with one warning line naming
+    both (and why), and no library traceback (DCP logs one per metadata it fails to read)."""
     out = _copy(finished, tmp_path)
     _damage(out / "checkpoints" / "step_000006", damage)
     p = run([*SHORT, "train.steps=8", "train.resume=true", f"train.out_dir={out}"])
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert "warning: checkpoint step_000006 is damaged; resuming from step_000003" in p.stderr, p.stderr[-2000:]
+    about = [x for x in p.stderr.splitlines() if "step_000006" in x]
+    assert len(about) == 1, about
+    assert about[0].startswith("warning: checkpoint step_000006 is damaged; resuming from step_000003 instead ("), about
     assert "resumed from" in p.stderr and "step_000003" in p.stderr
     assert [r["step"] for r in records(out)] == list(range(1, 9))
 
 
-@pytest.mark.parametrize("damage", ["truncated_shard", "empty_shard", "bad_harness"])
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_every_checkpoint_corrupt_is_one_line(damage, finished, tmp_path):
     out = _copy(finished, tmp_path)
     for step in ("step_000003", "step_000006"):
@@ -123,6 +132,24 @@ def test_resume_beyond_train_steps_is_one_line(finished, tmp_path):
     out = _copy(finished, tmp_path)
     p = run([*SHORT, "train.steps=4", "train.resume=true", f"train.out_dir={out}"])
     assert p.returncode == 2 and "beyond train.steps=4" in _last_line(p), p.stderr[-1500:]
+
+
+def _snapshot(d: Path) -> dict:
+    return {str(f.relative_to(d)): (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def test_resuming_a_finished_run_changes_nothing(finished, tmp_path):
+    """A resume of a run already at train.steps says so and exits 0 without writing anything: no config record, no
+    W&B run, no second export, no summary.json rewritten (it had kept the old one with "val_loss": null)."""
+    out = _copy(finished, tmp_path)
+    before = _snapshot(out)
+    p = run([*SHORT, "logger=wandb", "train.resume=true", f"train.out_dir={out}"], cwd=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "the run is already complete (train.steps=6, checkpoint step_000006); nothing to do" in p.stderr, \
+        p.stderr[-2000:]
+    assert "=== summary ===" not in p.stderr and "W&B run" not in p.stderr, p.stderr[-2000:]
+    assert _snapshot(out) == before
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["run"]  # nothing beside it either (Hydra's outputs/)
 
 
 def test_divergence_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
@@ -192,7 +219,7 @@ def test_ctrl_c_checkpoints_the_step_it_stops_after_and_resumes_from_it(tmp_path
 def _module(mod: str, args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", mod, *args], cwd=tmp_path, env=env, text=True,
-                          capture_output=True, timeout=300)
+                          capture_output=True, timeout=hang_s())
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -217,6 +244,24 @@ def test_bad_verify_request_is_one_line_before_any_run(args, needle, tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
     assert needle in _last_line(p), _last_line(p)
     assert not (out / "reference").exists(), "the request must be refused before the reference runs"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("forge.out_dir={tmp}/a_file/run", "forge.out_dir={tmp}/a_file/run cannot be created: {tmp}/a_file is a file"),
+    ("forge.max_round=3", "did you mean forge.max_rounds?"),
+    ("forge.max_rounds=-1", "forge.max_rounds must be >= 0, got -1"),
+])
+def test_bad_forge_override_is_one_line(override, needle, tmp_path):
+    """``python -m forgetrain.forge <bad override>``: one ``error:`` line (an unwritable forge.out_dir was a
+    traceback), exit 2, nothing written."""
+    (tmp_path / "a_file").write_text("")
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=echo", f"forge.out_dir={tmp_path / 'o'}",
+                        override.format(tmp=tmp_path)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       text=True, capture_output=True, timeout=hang_s())
+    lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert [x for x in lines if x.startswith("error:")] == lines[-1:] and needle.format(tmp=tmp_path) in lines[-1], lines
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a_file"]
 
 
 def test_corrupt_golden_is_one_line(tmp_path, monkeypatch):
@@ -251,7 +296,7 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
                              f"train.out_dir={out}"], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 240
+    deadline = time.time() + hang_s()
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before its first checkpoint was seen: nothing to interrupt"
@@ -259,7 +304,7 @@ def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):
         proc.kill()
         pytest.fail(f"no checkpoint within 240 s: {proc.communicate()[1][-1500:]}")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=hang_s())
     assert proc.returncode == 130, err[-2000:]
     last = [x for x in err.strip().splitlines() if x.strip()][-1]
     # the first Ctrl-C finishes the step in hand, then stops (a flag read at the step boundary, not an exception
@@ -308,7 +353,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True,  # a terminal's Ctrl-C goes to torchrun, which passes it on
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 240
+    deadline = time.time() + hang_s()
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     if proc.poll() is not None or not (out / "checkpoints" / "latest").exists():
@@ -317,7 +362,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     # the signal reaches rank 0 alone (as when the workers get it at different moments): rank 1 learns of it at
     # the step boundary
     os.kill(_worker_pid(proc.pid, rank=0), signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=hang_s())
     assert proc.returncode != 0
     stops = [x for x in err.splitlines() if x.startswith("error: interrupted after step ")]
     # one line per rank, the same step and checkpoint named; torchrun ends the other workers once one has exited,
@@ -466,8 +511,8 @@ def test_killed_launcher_leaves_no_worker(tmp_path):
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = []
     try:
-        deadline = time.time() + 240
-        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
+        deadline = time.time() + hang_s()
+        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline and launcher.poll() is None:
             time.sleep(1)
         assert (out / "trace" / "trace.jsonl").exists(), "the run never started"
         workers = [c for c in psutil.Process(launcher.pid).children(recursive=True)]
@@ -495,8 +540,8 @@ def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
                               f"train.out_dir={out}"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 240
-        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline:
+        deadline = time.time() + hang_s()
+        while not (out / "trace" / "trace.jsonl").exists() and time.time() < deadline and first.poll() is None:
             time.sleep(0.5)
         assert (out / "trace" / "trace.jsonl").exists(), "the first run never started"
         for extra in ([], ["train.overwrite=true"], ["train.resume=true"]):
@@ -511,13 +556,45 @@ def test_second_run_on_a_live_out_dir_is_refused(tmp_path):
     assert p.returncode == 0, p.stderr[-1500:]
 
 
+def test_out_dir_lock_released_during_a_take_is_not_held_twice(tmp_path, monkeypatch):
+    """The holder unlinks ``.lock`` and then lets go. A run that opened the file before the unlink and locks it just
+    after holds an inode no path names; a third run creating a new ``.lock`` must still be refused, not lock too."""
+    import fcntl
+
+    from forgetrain.distributed import DistEnv
+    from forgetrain.errors import ConfigError
+    from forgetrain.train import _lock_out_dir, _unlock_out_dir
+
+    out, env = tmp_path / "run", DistEnv()
+    first = _lock_out_dir(out, env)
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):  # the second run's first take: the first run ends between its open() and its flock()
+        calls.append(op)
+        if len(calls) == 1:
+            _unlock_out_dir(out, first)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    second = _lock_out_dir(out, env)
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert len(calls) == 2, calls  # the stale inode was dropped and the lock taken again on the file that is there
+    with pytest.raises(ConfigError, match=rf"is in use by another run \(pid {os.getpid()}\)"):
+        _lock_out_dir(out, env)
+    assert (out / ".lock").read_text().strip() == str(os.getpid())
+    _unlock_out_dir(out, second)
+    assert not (out / ".lock").exists()
+    third = _lock_out_dir(out, env)  # free again once the holder has let go
+    _unlock_out_dir(out, third)
+
+
 def test_kernels_without_triton_is_one_line(tmp_path):
     """`python -m forgetrain.kernels list` after the quick-start install (no triton): one line naming the extra."""
     code = ("import sys; sys.modules['triton'] = None; sys.argv = ['kernels', 'list']; "
             "from forgetrain.kernels.__main__ import main; sys.exit(main())")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, text=True, capture_output=True,
-                       timeout=300)
+                       timeout=hang_s())
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
     import tomllib
 
@@ -577,7 +654,7 @@ def stand_in_task(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
             "run_hydra('config', task, sys.argv[1:])\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                          text=True, capture_output=True, timeout=300)
+                          text=True, capture_output=True, timeout=hang_s())
 
 
 def test_device_out_of_memory_is_one_line(tmp_path):
@@ -667,7 +744,7 @@ warnings.warn_explicit("another megatron warning", UserWarning, "x.py", 2, modul
 """
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=tmp_path, env=env, text=True,
-                       capture_output=True, timeout=300)
+                       capture_output=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-2000:]
     assert "UserWarning: full scope is deprecated" not in p.stderr, p.stderr[-2000:]
     assert "DeprecationWarning: full scope is deprecated" in p.stderr, p.stderr[-2000:]
@@ -700,7 +777,7 @@ def test_mismatched_collectives_name_the_op_and_the_sizes(tmp_path):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
         ranks.append(subprocess.Popen([sys.executable, "worker.py"], cwd=tmp_path, env=env, text=True,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    errs = [r.communicate(timeout=300)[1] for r in ranks]
+    errs = [r.communicate(timeout=hang_s())[1] for r in ranks]
     for rank, (r, err) in enumerate(zip(ranks, errs)):
         assert r.returncode == 1 and "Traceback" not in err, err[-3000:]
         lines = [x for x in err.splitlines() if x.startswith("error:")]

@@ -17,6 +17,7 @@ from forgetrain import registry
 from forgetrain.cli import _check_job, _compose
 from forgetrain.config import register_configs, to_run_config
 from forgetrain.errors import ConfigError
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["hardware=cpu", "model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
@@ -88,7 +89,7 @@ def test_cli_wrong_engine_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "forgetrain", "scenario=llama_tiny_cpu", "train.steps=1",
                         "scenario.engine=scenarios.llama_tiny_cpu.engine:Nope", f"train.out_dir={out}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=hang_s())
     assert p.returncode == 2, p.stderr[-1500:]
     assert p.stderr.strip().splitlines() == [
         "error: scenario.engine='scenarios.llama_tiny_cpu.engine:Nope': scenarios.llama_tiny_cpu.engine defines "

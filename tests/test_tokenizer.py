@@ -23,6 +23,7 @@ from forgetrain.data.tokenizer_hf import HFTokenizer
 from forgetrain.data.tokenizer_sp import SentencePieceTokenizer
 from forgetrain.errors import DataError
 from tests.test_data import paragraphs as _paragraphs
+from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parents[1]
 def paragraphs(n: int, seed: int = 0) -> list[str]:
@@ -62,10 +63,10 @@ def stored_docs(prefix: str, eod: int) -> list[list[int]]:
     return out
 
 
-def run_cli(args, cwd, module="forgetrain", timeout=300):
+def run_cli(args, cwd, module="forgetrain", timeout=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, text=True, capture_output=True,
-                          timeout=timeout)
+                          timeout=timeout or hang_s())
 
 
 def one_error_line(p) -> str:

@@ -25,6 +25,7 @@ from forgetrain import equivalence as eq  # noqa: E402
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference  # noqa: E402
 from references.torchtitan.engine import Engine  # noqa: E402
 from tests.test_ladder import _cfg  # noqa: E402
+from tests.limits import hang_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -251,7 +252,7 @@ def test_verify_cli_end_to_end(tmp_path):
            "verify.steps=4", "model=llama_micro", "train.micro_batch_size=2", "train.global_batch_size=4",
            "train.lr_warmup_steps=2", f"verify.out_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_s())
     assert res.returncode == 0, res.stderr[-3000:]
     assert "strictest equivalence tier passed: tolerance" in res.stdout + res.stderr
 

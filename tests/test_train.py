@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import hang_s
+
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["model=llama_micro", "train.steps=6", "train.lr_warmup_steps=1", "train.micro_batch_size=4",
         "train.global_batch_size=8", "train.eval_interval=3", "train.eval_iters=2", "train.sample_tokens=8",
         "train.save_interval=3"]
 
 
-def run(args, cwd=None, timeout=300):
+def run(args, cwd=None, timeout=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "forgetrain", *args], cwd=cwd or ROOT, env=env, text=True,
-                          capture_output=True, timeout=timeout)
+                          capture_output=True, timeout=timeout or hang_s())
 
 
 def records(out: Path):
@@ -78,7 +80,7 @@ def test_resume_is_bitwise(tmp_path):
     assert "settings different from the checkpoint's" not in p2.stderr, p2.stderr[-2000:]
     assert numeric(records(part)) == numeric(records(full))
     p3 = run([*FAST, "train.digests=true", "train.resume=true", f"train.out_dir={part}"])  # nothing left to do
-    assert p3.returncode == 0 and "the run is already complete (train.steps=6)" in p3.stderr, p3.stderr[-2000:]
+    assert p3.returncode == 0 and "the run is already complete (train.steps=6, " in p3.stderr, p3.stderr[-2000:]
     assert numeric(records(part)) == numeric(records(full))
 
 
@@ -161,8 +163,7 @@ def test_sweep_runs_every_value(tmp_path):
 
 def test_wandb_offline(tmp_path):
     out = tmp_path / "run"
-    p = run([*FAST, "train.steps=2", "train.sample_tokens=0", "logger=wandb", f"train.out_dir={out}"],
-            timeout=400)
+    p = run([*FAST, "train.steps=2", "train.sample_tokens=0", "logger=wandb", f"train.out_dir={out}"])
     assert p.returncode == 0, p.stderr[-2000:]
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs, "W&B must log offline by default"
@@ -239,14 +240,14 @@ def test_wandb_resume_continues_the_same_run(tmp_path):
     sync, and names the steps it redoes past the checkpoint."""
     out = tmp_path / "run"
     args = [*FAST, "train.sample_tokens=0", "train.eval_interval=0", "logger=wandb", f"train.out_dir={out}"]
-    p1 = run([*args, "train.stop_after=3"], cwd=tmp_path, timeout=600)
+    p1 = run([*args, "train.stop_after=3"], cwd=tmp_path)
     assert p1.returncode == 0, p1.stderr[-2000:]
     m = re.search(r"W&B run (\w+) \(new\): .*wandb sync", p1.stderr)
     assert m, p1.stderr[-2000:]
     trace = out / "trace" / "trace.jsonl"
     lines = trace.read_text().splitlines()
     trace.write_text("\n".join(lines + [lines[-1].replace('"step": 3', '"step": 4')]) + "\n")  # a step past it
-    p2 = run([*args, "train.resume=true"], cwd=tmp_path, timeout=600)
+    p2 = run([*args, "train.resume=true"], cwd=tmp_path)
     assert p2.returncode == 0, p2.stderr[-2000:]
     assert f"W&B run {m.group(1)} (resumed)" in p2.stderr, p2.stderr[-2000:]
     assert "steps 4-4 ran before the stop and are run again" in p2.stderr and m.group(1) in p2.stderr
@@ -265,7 +266,7 @@ def test_help_says_what_the_command_does(module, own, tmp_path):
     Hydra's generic dump; nothing written."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", module, "--help", "model=llama_micro"], cwd=tmp_path, env=env,
-                       text=True, capture_output=True, timeout=300)
+                       text=True, capture_output=True, timeout=hang_s())
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "powered by Hydra" not in p.stdout and p.stdout.startswith(f"python -m {module} "), p.stdout[:500]
     for key in own:

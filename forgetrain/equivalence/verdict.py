@@ -22,8 +22,8 @@ from forgetrain.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIER_CONF_DIR = REPO_ROOT / "conf" / "tier"
 
-DIVERGENCE_KINDS = ("tokens", "loss", "grad_norm", "lr", "per_token_loss", "param", "grad", "module_fwd",
-                    "module_grad")
+DIVERGENCE_KINDS = ("tokens", "loss", "grad_norm", "lr", "per_token_loss", "param", "grad", "clipped_grad",
+                    "module_fwd", "module_grad")
 
 
 # ----------------------------------------------------------------------------------------------------------------

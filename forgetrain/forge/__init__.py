@@ -84,12 +84,25 @@ def register() -> None:
 
 def check_request(obj: dict) -> None:
     """The forge's own request, checked before Hydra writes anything (``forgetrain.cli``): a ``kernel=NAME`` target
-    must name a kernel of :mod:`forgetrain.kernels`. Raises ForgeTrainError."""
+    must name a kernel of :mod:`forgetrain.kernels`, and the ``forge.*`` / ``agent.*`` options must pass the
+    loop's own checks (the engine loop's or the kernel loop's ``_check``), so a bad option is one line and leaves
+    no Hydra run directory behind. Raises ForgeTrainError."""
+    from forgetrain.config import to_run_config
+
     kernel = obj.get("kernel")
     if kernel:
         from forgetrain.kernels import module_of
 
         module_of(str(kernel))
+    agent, opts = AgentConfig(**obj["agent"]), ForgeOptions(**obj["forge"])
+    if kernel:
+        from forgetrain.forge.kernel import _check
+
+        _check(str(kernel), opts, agent)
+    else:
+        from forgetrain.forge.loop import _check
+
+        _check(to_run_config({k: v for k, v in obj.items() if k not in ("agent", "forge", "kernel")}), opts, agent)
 
 
 def forge_task(cfg) -> None:

@@ -77,6 +77,7 @@ class Engine:
         self.completed_steps = 0
         self.adam_state: dict[str, dict] = {}
         self._last_grads: dict[str, torch.Tensor] | None = None
+        self._last_clipped: dict[str, torch.Tensor] | None = None  # the update's grads (digests, no ZeRO/FSDP)
         self.ddp: GradBuffer | None = None
         self.fsdp = self.zero_stage == 3  # torch FSDP2
         self.init_weights()
@@ -198,6 +199,14 @@ class Engine:
             raise RuntimeError("no step has run yet")
         return self._to_hf(self._full(self._last_grads))
 
+    def export_hf_clipped_grads(self) -> dict[str, torch.Tensor] | None:
+        """The grads the last step's AdamW applied (after clipping), HF layout (all-gathered under TP); None when
+        not kept: ``train.digests=false``, before any step, or under ZeRO-1 / FSDP (only shards are clipped), where
+        the harness derives them (``forgetrain.train.clipped_grads``)."""
+        if self._last_clipped is None:
+            return None
+        return self._to_hf(self._full(self._last_clipped))
+
     # ---------------------------------------------------------------- step
     def _autocast(self):
         if self.tcfg.precision == "bf16":
@@ -247,6 +256,7 @@ class Engine:
             grad_norm = self._grad_norm(grads)
             self._clip(grads.values(), grad_norm)
             self._adamw(named, lr)
+            self._last_clipped = grads if self.tcfg.digests else None  # in place: what the update applied
         self.completed_steps += 1
         loss_mean = torch.stack(losses).mean() if n > 1 else losses[0]
         if self.pcfg.report_loss == "dp_mean" and self.dp_size > 1:

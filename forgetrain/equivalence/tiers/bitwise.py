@@ -15,11 +15,17 @@ from forgetrain.equivalence.verdict import (Verdict, _by_step, _exact_equal, _mo
                                             _tier_cfg, _trace_length, describe_divergence)
 from forgetrain.trace import read_final_params, read_modules, read_trace
 
-# Order of checks within one step: the order the quantities are produced in that step. Module probes exist for
-# step 1 only (modules.json). Final params (final.safetensors) come after the last step's per-step params.
+# Order of checks within one step: the order the step produces the quantities in, so the first divergence is where
+# a difference enters. Module probes exist for step 1 only (modules.json). Final params (final.safetensors) come
+# after the last step's per-step params.
 _BITWISE_RANK = {"tokens": 0, "module_fwd": 1, "per_token_loss": 2, "loss": 3, "module_grad": 4, "grad": 5,
-                 "grad_norm": 6, "lr": 7, "param": 8, "final_param": 9}
-_DIGEST_KINDS = ("per_token_loss", "grads", "params")
+                 "grad_norm": 6, "clipped_grad": 7, "lr": 8, "param": 9, "final_param": 10}
+_DIGEST_KINDS = ("per_token_loss", "grads", "params")  # required with require_digests; clipped_grads is optional
+# digests key -> divergence kind, and whether the backward produces it (then it is ordered in backward order)
+_TENSOR_DIGESTS = (("grads", "grad", True), ("clipped_grads", "clipped_grad", True), ("params", "param", False))
+ORDER = ("by step; within a step: tokens, module_fwd (forward order), per_token_loss, loss, module_grad (backward "
+         "order), grad (backward order: hf_param_names reversed), grad_norm, clipped_grad (backward order), lr, "
+         "param (forward order); final.safetensors after the last step")
 
 
 def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = None) -> Verdict:
@@ -33,20 +39,24 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
     * the same set of steps (no duplicate step records);
     * per step: ``loss``, ``grad_norm`` and ``lr`` equal with Python ``float ==`` (a NaN or a missing value never
       passes), ``tokens`` equal when both sides record it;
-    * per step, when both sides recorded digests: ``per_token_loss``, every ``grads[name]`` and every
-      ``params[name]`` digest equal (a name present on one side only is a mismatch). With
-      ``require_digests`` (default, see the yaml for why) a step lacking any of the three on either side fails
-      the tier with that reason;
+    * per step, when both sides recorded digests: ``per_token_loss``, every ``grads[name]`` (pre-clip), every
+      ``clipped_grads[name]`` (the gradients the update applied; compared when both sides recorded them, see
+      ``forgetrain.train.clipped_grads``) and every ``params[name]`` digest equal (a name present on one side
+      only is a mismatch). With ``require_digests`` (default, see the yaml for why) a step lacking any of
+      per_token_loss/grads/params on either side fails the tier with that reason;
     * ``modules.json`` (step-1 probes) when both sides have it: every module's ``fwd`` and ``grad`` digest;
     * ``final.safetensors`` when both sides have it: every tensor ``torch.equal`` (same names, shapes, dtypes).
 
-    ``first_divergence`` is the first mismatch by step, then within a step in the order the step produces
-    things: tokens, module forwards (``forward_names`` order), per-token losses, loss, module grads, grads
-    (``hf_param_names`` order), grad norm, lr, params; final params count as after the last step (their
-    ``step`` is the last step, and ``note`` says per-step digests would localise it). Module gradients are
-    reported in forward order like everything else; since backward runs in reverse, the evidence also names
-    the first mismatching module in backward order (where a backward-only bug shows first). Magnitudes are
-    attached where they exist: ``fwd_l2``/``grad_l2`` for modules, ``max_abs_diff`` for final params.
+    ``first_divergence`` is where the difference enters: the first mismatch by step, then within a step in the
+    order the step produces things (:data:`ORDER`): tokens, module forwards (forward order), per-token losses,
+    loss, then what the backward produces in the order it produces it -- module gradients from ``output_layer``
+    back to ``embedding``, parameter gradients from ``lm_head.weight`` back to ``model.embed_tokens.weight`` --
+    then the grad norm, the clipped gradients (same order), lr and params (forward order). A module gradient is
+    the gradient of that module's output, so a ``module_grad`` divergence also names ``produced_by``: the module
+    whose backward computed it (the next one in forward order; ``loss`` for ``output_layer``). Final params count
+    as after the last step (their ``step`` is the last step, and ``note`` says per-step digests would localise
+    it). Magnitudes are attached where they exist: ``fwd_l2``/``grad_l2`` for modules, ``max_abs_diff`` for final
+    params.
 
     Raises FileNotFoundError when either directory has no ``trace.jsonl``; ConfigError on a bad cfg.
     """
@@ -64,11 +74,49 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
 
     if ref_dup or cand_dup:
         problems.append(f"duplicate step records (ref {sorted(set(ref_dup))[:5]}, cand {sorted(set(cand_dup))[:5]})")
-    steps = sorted(set(ref) | set(cand))
     if not ref:
         problems.append(f"reference trace {ref_dir} has no step records")
+    steps = sorted(set(ref) | set(cand))
+    digests_ev = _compare_steps(ref, cand, steps, cfg, add, problems)
+    modules_ev = _compare_modules(read_modules(ref_dir), read_modules(cand_dir), cfg, add, problems)
+    final_ev = _compare_final(read_final_params(ref_dir), read_final_params(cand_dir), _trace_length(ref_recs),
+                              cfg, add, problems)
 
-    digest_steps = 0
+    mismatches.sort(key=lambda m: m[0])
+    divs = [d for _, d in mismatches]
+    counts: dict[str, int] = {}
+    for d in divs:
+        counts[d["kind"]] = counts.get(d["kind"], 0) + 1
+    evidence = {
+        "n_steps_ref": len(ref), "n_steps_cand": len(cand),
+        "precision": {"ref": ref_meta.get("precision"), "cand": cand_meta.get("precision")},
+        "n_mismatches": len(divs), "mismatch_counts": counts,
+        "mismatches": divs[: int(cfg["max_reported_mismatches"])],
+        "digests": digests_ev, "modules": modules_ev, "final_params": final_ev, "problems": problems,
+        "order": ORDER, "config": cfg,
+    }
+    first = divs[0] if divs else None
+    passed = not divs and not problems
+    covered = ["loss", "grad_norm", "lr"] + (["digests"] if digests_ev["compared"] else []) + \
+        (["clipped grads"] if digests_ev["clipped_grads_steps"] else []) + \
+        (["modules"] if modules_ev["compared"] else []) + (["final params"] if final_ev["compared"] else [])
+    if passed:
+        summary = f"{len(steps)} steps bit-identical ({', '.join(covered)})"
+        if not digests_ev["compared"]:
+            summary += "; digests NOT compared"
+    elif divs:
+        summary = f"first divergence: {describe_divergence(first)}; {len(divs)} mismatch(es)"
+    else:
+        summary = problems[0]
+    if divs and problems:
+        summary += f"; also: {problems[0]}"
+    return Verdict("bitwise", passed, summary, evidence, first)
+
+
+def _compare_steps(ref: dict, cand: dict, steps: list[int], cfg: dict, add, problems: list[str]) -> dict:
+    """Per step: the scalars, then the digests (``add`` each mismatch, ``problems`` each missing requirement).
+    Returns the digests' evidence."""
+    digest_steps, clipped_steps = 0, 0
     one_sided: dict[str, int] = {}
     missing_required: dict[str, list[int]] = {"ref": [], "cand": []}
     for s in steps:
@@ -94,13 +142,16 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
                 add(s, "per_token_loss", rd["per_token_loss"], cd["per_token_loss"])
         elif rd.get("per_token_loss") or cd.get("per_token_loss"):
             one_sided["per_token_loss"] = one_sided.get("per_token_loss", 0) + 1
-        for dkey, kind in (("grads", "grad"), ("params", "param")):
+        for dkey, kind, backward in _TENSOR_DIGESTS:
             rg, cg = rd.get(dkey), cd.get(dkey)
             if rg and cg:
                 compared_here = True
-                for j, name in enumerate(_param_order(set(rg) | set(cg))):
+                clipped_steps += dkey == "clipped_grads"
+                names = _param_order(set(rg) | set(cg))
+                for j, name in enumerate(names):
                     if rg.get(name) != cg.get(name):
-                        add(s, kind, rg.get(name), cg.get(name), order=j, tensor=name)
+                        add(s, kind, rg.get(name), cg.get(name), order=len(names) - 1 - j if backward else j,
+                            tensor=name)
             elif rg or cg:
                 one_sided[dkey] = one_sided.get(dkey, 0) + 1
         digest_steps += compared_here
@@ -111,97 +162,69 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
             problems.append(f"digests required (require_digests) but the {who}"
                             f" lacks per_token_loss/grads/params digests at {len(lst)} step(s) (first: step "
                             f"{lst[0]}); record them with train.digests=true")
-    digests_ev = {"compared": digest_steps > 0, "steps_compared": digest_steps, "steps_total": len(steps),
-                  "one_sided_steps": one_sided, "required": bool(cfg["require_digests"])}
+    ev = {"compared": digest_steps > 0, "steps_compared": digest_steps, "steps_total": len(steps),
+          "clipped_grads_steps": clipped_steps, "one_sided_steps": one_sided, "required": bool(cfg["require_digests"])}
     if digest_steps == 0:
-        digests_ev["reason"] = "neither trace has digests" if not one_sided else "only one trace has digests"
+        ev["reason"] = "neither trace has digests" if not one_sided else "only one trace has digests"
+    return ev
 
-    # modules.json: step-1 probes.
-    modules_ev: dict[str, Any] = {"compared": False}
-    rm, cm = read_modules(ref_dir), read_modules(cand_dir)
-    if rm is not None and cm is not None:
-        names = _module_order(set(rm) | set(cm))
-        fwd_bad, grad_bad = [], []
-        for j, name in enumerate(names):
-            re_, ce = rm.get(name) or {}, cm.get(name) or {}
-            for key, kind, lst in (("fwd", "module_fwd", fwd_bad), ("grad", "module_grad", grad_bad)):
-                if name not in rm or name not in cm or re_.get(key) != ce.get(key):
-                    lst.append(name)
-                    add(1, kind, {"digest": re_.get(key), "l2": re_.get(f"{key}_l2")} if name in rm else None,
-                        {"digest": ce.get(key), "l2": ce.get(f"{key}_l2")} if name in cm else None,
-                        order=j, module=name)
-        if rm and not set(rm) & set(cm):
-            problems.append(f"the candidate recorded none of the reference's {len(rm)} module probes (an engine that "
-                            f"fuses across modules records none, e.g. engine.mode=fast; the bitwise tier is for "
-                            f"mode=exact)")
-        modules_ev = {"compared": True, "n_modules": len(names), "fwd_mismatches": fwd_bad,
-                      "grad_mismatches": grad_bad,
-                      "first_fwd_mismatch": fwd_bad[0] if fwd_bad else None,
-                      "first_grad_mismatch_forward_order": grad_bad[0] if grad_bad else None,
-                      "first_grad_mismatch_backward_order": grad_bad[-1] if grad_bad else None,
-                      "note": "module grads run in reverse order: a backward-only bug first shows in the first "
-                              "module in backward order (= the last mismatching one in forward order)"}
-    else:
-        modules_ev["reason"] = ("neither trace has modules.json" if rm is None and cm is None else
-                                f"only the {'reference' if rm is not None else 'candidate'} has modules.json")
+
+def _compare_modules(rm: dict | None, cm: dict | None, cfg: dict, add, problems: list[str]) -> dict:
+    """modules.json (step-1 probes): forwards in forward order, output gradients in backward order. Returns the
+    modules' evidence."""
+    if rm is None or cm is None:
+        ev: dict[str, Any] = {"compared": False, "reason": (
+            "neither trace has modules.json" if rm is None and cm is None else
+            f"only the {'reference' if rm is not None else 'candidate'} has modules.json")}
         if cfg["require_modules"]:
-            problems.append(f"modules required (require_modules) but {modules_ev['reason']}")
+            problems.append(f"modules required (require_modules) but {ev['reason']}")
+        return ev
+    names = _module_order(set(rm) | set(cm))
+    fwd_bad, grad_bad = [], []
+    for j, name in enumerate(names):
+        re_, ce = rm.get(name) or {}, cm.get(name) or {}
+        for key, kind, lst in (("fwd", "module_fwd", fwd_bad), ("grad", "module_grad", grad_bad)):
+            if name not in rm or name not in cm or re_.get(key) != ce.get(key):
+                lst.append(name)
+                extra = {"produced_by": names[j + 1] if j + 1 < len(names) else "loss"} if key == "grad" else {}
+                add(1, kind, {"digest": re_.get(key), "l2": re_.get(f"{key}_l2")} if name in rm else None,
+                    {"digest": ce.get(key), "l2": ce.get(f"{key}_l2")} if name in cm else None,
+                    order=j if key == "fwd" else len(names) - 1 - j, module=name, **extra)
+    if rm and not set(rm) & set(cm):
+        problems.append(f"the candidate recorded none of the reference's {len(rm)} module probes (an engine that "
+                        f"fuses across modules records none, e.g. engine.mode=fast; the bitwise tier is for "
+                        f"mode=exact)")
+    return {"compared": True, "n_modules": len(names), "fwd_mismatches": fwd_bad, "grad_mismatches": grad_bad,
+            "first_fwd_mismatch": fwd_bad[0] if fwd_bad else None,
+            "first_grad_mismatch_forward_order": grad_bad[0] if grad_bad else None,
+            "first_grad_mismatch_backward_order": grad_bad[-1] if grad_bad else None,
+            "note": "module grads (of each module's output) are produced in reverse order: the first divergence "
+                    "names the first mismatching one in backward order, and produced_by the module whose "
+                    "backward computed it"}
 
-    # final.safetensors
-    final_ev: dict[str, Any] = {"compared": False}
-    rp, cp = read_final_params(ref_dir), read_final_params(cand_dir)
-    if rp is not None and cp is not None:
-        last = _trace_length(ref_recs)
-        names = _param_order(set(rp) | set(cp))
-        bad, worst = [], 0.0
-        for j, name in enumerate(names):
-            a, b = rp.get(name), cp.get(name)
-            if a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b):
-                continue
-            mad = None
-            if a is not None and b is not None and a.shape == b.shape:
-                mad = float((b.double() - a.double()).abs().max()) if a.numel() else 0.0
-                worst = mad if (math.isnan(mad) or mad > worst) else worst
-            bad.append({"tensor": name, "max_abs_diff": mad})
-            add(last, "param", {"l2": float(a.double().norm()), "shape": list(a.shape)} if a is not None else None,
-                {"l2": float(b.double().norm()), "shape": list(b.shape)} if b is not None else None,
-                order=j, rank="final_param", tensor=name, max_abs_diff=mad, source="final.safetensors",
-                note="final parameters; per-step param digests would name the step where they first differ")
-        final_ev = {"compared": True, "n_tensors": len(names), "mismatched": bad,
-                    "max_abs_diff": worst if bad else 0.0}
-    else:
-        final_ev["reason"] = ("neither trace has final.safetensors" if rp is None and cp is None else
-                              f"only the {'reference' if rp is not None else 'candidate'} has final.safetensors")
+
+def _compare_final(rp: dict | None, cp: dict | None, last: int, cfg: dict, add, problems: list[str]) -> dict:
+    """final.safetensors, counted as after step ``last``. Returns the final params' evidence."""
+    if rp is None or cp is None:
+        ev: dict[str, Any] = {"compared": False, "reason": (
+            "neither trace has final.safetensors" if rp is None and cp is None else
+            f"only the {'reference' if rp is not None else 'candidate'} has final.safetensors")}
         if cfg["require_final_params"]:
-            problems.append(f"final params required (require_final_params) but {final_ev['reason']}")
-
-    mismatches.sort(key=lambda m: m[0])
-    divs = [d for _, d in mismatches]
-    counts: dict[str, int] = {}
-    for d in divs:
-        counts[d["kind"]] = counts.get(d["kind"], 0) + 1
-    evidence = {
-        "n_steps_ref": len(ref), "n_steps_cand": len(cand),
-        "precision": {"ref": ref_meta.get("precision"), "cand": cand_meta.get("precision")},
-        "n_mismatches": len(divs), "mismatch_counts": counts,
-        "mismatches": divs[: int(cfg["max_reported_mismatches"])],
-        "digests": digests_ev, "modules": modules_ev, "final_params": final_ev, "problems": problems,
-        "order": "by step; within a step: tokens, module_fwd (forward_names), per_token_loss, loss, module_grad, "
-                 "grad (hf_param_names), grad_norm, lr, param; final.safetensors after the last step",
-        "config": cfg,
-    }
-    first = divs[0] if divs else None
-    passed = not divs and not problems
-    covered = ["loss", "grad_norm", "lr"] + (["digests"] if digests_ev["compared"] else []) + \
-        (["modules"] if modules_ev["compared"] else []) + (["final params"] if final_ev["compared"] else [])
-    if passed:
-        summary = f"{len(steps)} steps bit-identical ({', '.join(covered)})"
-        if not digests_ev["compared"]:
-            summary += "; digests NOT compared"
-    elif divs:
-        summary = f"first divergence: {describe_divergence(first)}; {len(divs)} mismatch(es)"
-    else:
-        summary = problems[0]
-    if divs and problems:
-        summary += f"; also: {problems[0]}"
-    return Verdict("bitwise", passed, summary, evidence, first)
+            problems.append(f"final params required (require_final_params) but {ev['reason']}")
+        return ev
+    names = _param_order(set(rp) | set(cp))
+    bad, worst = [], 0.0
+    for j, name in enumerate(names):
+        a, b = rp.get(name), cp.get(name)
+        if a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b):
+            continue
+        mad = None
+        if a is not None and b is not None and a.shape == b.shape:
+            mad = float((b.double() - a.double()).abs().max()) if a.numel() else 0.0
+            worst = mad if (math.isnan(mad) or mad > worst) else worst
+        bad.append({"tensor": name, "max_abs_diff": mad})
+        add(last, "param", {"l2": float(a.double().norm()), "shape": list(a.shape)} if a is not None else None,
+            {"l2": float(b.double().norm()), "shape": list(b.shape)} if b is not None else None,
+            order=j, rank="final_param", tensor=name, max_abs_diff=mad, source="final.safetensors",
+            note="final parameters; per-step param digests would name the step where they first differ")
+    return {"compared": True, "n_tensors": len(names), "mismatched": bad, "max_abs_diff": worst if bad else 0.0}
