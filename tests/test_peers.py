@@ -247,3 +247,60 @@ def test_float8_side_converts_the_decoder_linears_and_trains_emulated(name):
     assert f"recipe {recipe}" in info["fp8_by"] and info["fp8_by"].startswith("torchao ")
     note, = fp8_notes({name: info})
     assert note.startswith(f"note: side '{name}' runs its decoder layers' GEMMs in FP8 (torchao ")
+
+
+# ------------------------------------------------------------------------------------------ the device script
+SCRIPT = ROOT / "experiments" / "peers" / "bench_all_sides.sh"
+
+
+def _script_overrides() -> list[str]:
+    p = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, text=True, capture_output=True, timeout=60,
+                       env=dict(os.environ, DRY="1"))
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+def test_device_script_is_valid_bash_and_its_overrides_compose():
+    """``bash -n`` passes, and the bench's overrides (``DRY=1`` prints them) compose as Hydra composes them
+    (``--cfg job``): the 8B proxy at GBS 8 (micro-batch 1), every side in one call, one block per side."""
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+    args = _script_overrides()
+    assert "bench.interleave=once" in args and "bench.candidate={engine.fp8:tensorwise}" in args
+    assert "bench.against=[torch_compile,torchao_float8_tensorwise,torchao_float8_rowwise]" in args
+    p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *args, "--cfg", "job"], cwd=ROOT, text=True,
+                       capture_output=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stderr[-2000:]
+    import yaml
+
+    job = yaml.safe_load(p.stdout)
+    assert job["model"]["num_layers"] == 4 and job["model"]["seq_length"] == 8192
+    assert job["train"]["micro_batch_size"] == 1 and job["train"]["global_batch_size"] == 8
+    assert job["bench"]["candidate"] == {"engine.fp8": "tensorwise"} and job["bench"]["single_micro_batch"] is True
+
+
+def test_device_script_request_passes_the_bench_checks_on_an_h200(monkeypatch):
+    """With an H200 (compute capability 9.0, 139.8 GiB) and torchao present, as the device has them, the script's
+    request passes every check the bench makes before building anything (sides, candidate, memory); below 8.9 it is
+    the torchao sides' one line."""
+    import importlib.util
+    import types
+
+    from forgetrain import bench, cli, extras
+    from forgetrain.config import register_configs
+    from forgetrain.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(extras.importlib.util, "find_spec",
+                        lambda m, *a: real("torch") if m == "torchao" else real(m, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(total_memory=150_110_000_000, name="NVIDIA H200"))
+    register_configs()
+    bench.register()
+    args = _script_overrides()
+    cli._check_job("bench", args)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ConfigError, match="torchao_float8_tensorwise.*compute capability 8.0"):
+        cli._check_job("bench", args)

@@ -152,7 +152,7 @@ class Engine:
 
     name = "torch_compile"  # the side's name (references/<name>), in error lines
     bench_only = True  # verify refuses it: no per-token losses to judge
-    bench_label = "strong plain PyTorch: bf16 params + fp32 masters, fused QKV/gate-up, torch.compile"
+    bench_label = "strong plain-PyTorch script: bf16 params + fp32 masters (at bf16), fused QKV/gate-up, torch.compile"
     supports_recompute = True  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
     supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N blocks only
 
