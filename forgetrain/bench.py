@@ -4,7 +4,10 @@ Every side (the forged engine first, then each reference in ``bench.against``) i
 the same initial weights and fed the same real-token micro-batches. After ``bench.warmup`` untimed steps per side,
 steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (host timer on CPU), and the median
 is reported with its spread (IQR). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
-speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
+speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory. Models too big to hold every
+side at once are timed in sequential A-B-A blocks (``bench.interleave=never``, or ``auto``'s choice), or with
+``bench.interleave=once`` in one block per side, each side built once, timed at both batches and freed before the
+next (:func:`once_times`). Every row carries what its side is (``label``, :func:`side_label`).
 
 The headline rows are the configured global batch, which should be production-like (gradient accumulation >= 8;
 one warning line otherwise). With ``bench.single_micro_batch`` (default) every side is timed again at one
@@ -959,8 +962,9 @@ def fp8_notes(info: dict) -> list[str]:
     its MFU still counts the model's FLOPs against the peak every side is counted against (on a GPU the bf16 dense
     peak: the convention torchtitan reports its float8 runs under; on CPU a measured matmul rate), so it is not a
     utilisation of an FP8 peak. What applies FP8 is the info's ``fp8_by`` (the torchao sides), else engine.fp8."""
-    return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 ({i.get('fp8_by') or 'engine.fp8=' + i['fp8']});"
-            f" its MFU is counted against the same peak as every side's (a GPU's bf16 dense peak), not an FP8 peak"
+    return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 "
+            f"({i.get('fp8_by') or 'engine.fp8=' + i['fp8']}); its MFU is counted against the same peak as every "
+            f"side's (a GPU's bf16 dense peak), not an FP8 peak"
             for name, i in info.items() if i and i.get("fp8", "none") != "none"]
 
 
