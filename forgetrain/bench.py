@@ -4,8 +4,12 @@ Every side (the forged engine first, then each reference in ``bench.against``) i
 the same initial weights and fed the same real-token micro-batches. After ``bench.warmup`` untimed steps per side,
 steps are timed interleaved (A B A B ...), each with CUDA events on the GPU (host timer on CPU), and the median
 is reported with its spread (IQR); a side whose IQR exceeds :data:`NOISY_IQR_PCT` percent of its median gets a
-``warning:`` line (and ``noisy`` in its row of bench.json). Output: a table of step_s, tokens_per_s, mfu_pct, mem_gib and each side's
-speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory.
+``warning:`` line (and ``noisy`` in its row of bench.json). Output: a table of step_s, tokens_per_s, mfu_pct,
+mem_gib and each side's speed ratio vs the forged engine, plus ``bench.json`` under Hydra's run directory. Models
+too big to hold every side at once are timed in sequential A-B-A blocks (``bench.interleave=never``, or
+``auto``'s choice), or with ``bench.interleave=once`` in one block per side, each side built once, timed at both
+batches and freed before the next (:func:`once_times`). Every row carries what its side is (``label``,
+:func:`side_label`).
 
 The headline rows are the configured global batch, which should be production-like (gradient accumulation >= 8;
 one warning line otherwise). With ``bench.single_micro_batch`` (default) every side is timed again at one
@@ -50,7 +54,9 @@ class BenchConfig:
     against: list = field(default_factory=lambda: ["megatron"])  # references/<name> to time beside the forged one
     steps: int = 10  # timed steps per side (median)
     warmup: int = 3  # untimed steps per side
-    interleave: str = "auto"  # auto | always | never. never: A, B..., A blocks (one engine in memory at a time)
+    # auto | always | never | once. never: A, B..., A blocks (one engine in memory at a time). once: A, B, C, ...
+    # one block per side, each side built once, timed at both batches and freed before the next (once_times)
+    interleave: str = "auto"
     single_micro_batch: bool = True  # also time one micro-batch per step (global batch = micro-batch x DP)
     profile: bool = False  # profile one extra step per side: category table + out_dir/profile_<side>.json
     # Activation recompute of the sides in bench.against: none | full. null: engine.recompute, the forged engine's.
@@ -244,6 +250,22 @@ def candidate_config(obj: dict, candidate, world_size: int = 1) -> Optional[RunC
 def _value_text(v) -> str:
     """A candidate value as the command line writes it (true, false, null; the rest as str)."""
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def side_label(name: str, cfg: Optional[RunConfig] = None) -> str:
+    """What side ``name`` is, in words, for the table's legend, each row's "label" and the block lines: the forged
+    engine (of ``cfg``'s scenario), the candidate, or a reference's ``bench_label`` (megatron: "Megatron-core
+    0.16.1 local spec (no Transformer Engine)"); a reference without one, or one that cannot be imported here, is
+    its name."""
+    if name in ("forged", "candidate"):
+        what = f"forged engine of scenario {cfg.scenario.name}" if cfg is not None else "forged engine"
+        return what if name == "forged" else f"{what} with bench.candidate's overrides"
+    from forgetrain import registry
+
+    try:
+        return getattr(registry.load_engine_class("references", name), "bench_label", name)
+    except Exception:  # noqa: BLE001 - unknown here, or its framework cannot be imported: the name says it
+        return name
 
 
 def make_side(name: str, cfg: RunConfig, device: torch.device):
@@ -545,12 +567,160 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
     return times
 
 
+ONCE_MODE = "sequential, one block per side (bench.interleave=once)"  # the "mode" of once_times' rows
+
+
+def _run_steps(eng, batches: list, warmup: int, steps: int, device: torch.device, state: dict,
+               what: str) -> tuple[list[float], float]:
+    """``warmup`` untimed, then ``steps`` timed ``eng.train_step`` calls on ``batches`` (``[warmup + steps]`` steps
+    of ``[grad_accum]`` micro-batches ``[mb, seq + 1]`` int64): (the timed steps' seconds, the first step's seconds).
+    ``state["stage"]`` names the step in hand for :func:`oom_reason`; ``what`` is its batch, in words."""
+    out, first = [], 0.0
+    for i in range(warmup + steps):
+        state["stage"] = f"{'warm-up' if i < warmup else 'timed'} step {i + 1} of {warmup + steps} ({what})"
+        with _Timer(device) as tm:
+            eng.train_step(batches[i])
+        if i >= warmup:
+            out.append(tm.s)
+        if i == 0:
+            first = tm.s
+    return out, first
+
+
+def free_device(device: torch.device) -> Optional[float]:
+    """After the last reference to an engine is dropped: drop torch.compile's caches (``torch._dynamo.reset``: a
+    compiled side's graphs and guards go with it, and the next side compiles with a fresh recompile budget), collect
+    the engine, and give the CUDA caching allocator's free blocks and the pinned host cache back
+    (:func:`release_host_cache`). Returns the GiB still allocated on the device (what the freed side left
+    behind; None on CPU)."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    release_host_cache()
+    return torch.cuda.memory_allocated(device) / 2**30
+
+
+def _build_side(make, cfg: RunConfig, state: dict):
+    """``make(cfg)`` from ``train.seed``, then loaded with the first side's exported init (``state["init"]``; the
+    first side's own export becomes it)."""
+    torch.manual_seed(cfg.train.seed)
+    state["stage"] = "building the engine"
+    eng = make(cfg)
+    if state["init"] is None:
+        state["init"] = eng.export_hf_weights()
+    else:
+        eng.load_hf_weights(state["init"])
+    return eng
+
+
+def _once_block(name: str, make, parts: list, warmup: int, steps: int, device: torch.device, state: dict,
+                profile_dir: Optional[Path]) -> None:
+    """One side's block of :func:`once_times`: build it once (:func:`_build_side`), then for each ``(times, cfg,
+    batches)`` of ``parts`` (the headline, then the single micro-batch) reset the device's peak memory, run the
+    steps into ``times[name]`` and record ``times["_mem_gib"][name]`` (GiB, GPU only) and ``times["_info"][name]``;
+    a side with ``fixed_grad_accum`` (DeepSpeed) is freed and built again for the second batch. The headline's last
+    batch is profiled with ``profile_dir``. Frees the side at the end (:func:`free_device`) and prints its block
+    line (rank 0)."""
+    cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    eng = _build_side(make, parts[0][1], state)
+    t_build, notes = time.perf_counter() - t0, []
+    for k, (times, cfg, batches) in enumerate(parts):
+        state["part"] = k
+        if k and getattr(eng, "fixed_grad_accum", False):
+            del eng
+            free_device(device)
+            eng = _build_side(make, cfg, state)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        what = f"micro-batch {cfg.train.micro_batch_size} x grad-accum {grad_accum_steps(cfg)}"
+        times[name], first = _run_steps(eng, batches, warmup, steps, device, state, what)
+        if cuda:
+            times["_mem_gib"][name] = torch.cuda.max_memory_allocated(device) / 2**30
+        times["_info"][name] = _engine_info(eng)
+        if k == 0:
+            _profile_side(times, name, eng, batches[-1], device, profile_dir)
+        mem = f", peak mem {times['_mem_gib'][name]:.1f} GiB" if cuda else ""
+        notes.append(f"{what}: first step {first:.1f}s, median step {statistics.median(times[name]):.4f}s{mem}")
+    del eng
+    left = free_device(device)
+    if left is not None:
+        parts[0][0]["_mem_left_gib"][name] = left
+    _say(f"[block] {name} ({side_label(name, parts[0][1])}): build {t_build:.1f}s; " + "; ".join(notes)
+         + (f"; {left:.2f} GiB left allocated after freeing it" if left is not None else ""), flush=True)
+
+
+def once_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, single_cfg: Optional[RunConfig] = None,
+               engine_cls=None, profile_dir: Optional[Path] = None, side_recompute: Optional[str] = None,
+               candidate: Optional[RunConfig] = None, on_block=None) -> tuple[dict, Optional[dict]]:
+    """``bench.interleave=once``: one block per side, in the order forged, candidate, ``against``; each side is built
+    once (from the first side's exported init, as in every mode), timed for ``warmup`` + ``steps`` steps at
+    ``cfg``'s batch and then, with ``single_cfg`` (:func:`single_micro_batch_config`), at one micro-batch per step
+    from the same build, and freed (:func:`free_device`: gc, torch.compile's caches, ``torch.cuda.empty_cache``)
+    before the next side is built. The device's peak memory is reset after each build and between the two batches:
+    each side's mem_gib is its own peak at that batch. There is no closing forged block (no drift bracket), and only
+    one engine is in memory at a time: one call carries many sides at a big shape (five sides of about 40 GiB at
+    the 8B proxy on a 139 GiB H200).
+
+    Returns (headline times, single-micro-batch times or None without ``single_cfg``), each like
+    :func:`timed_sides`' (side -> step seconds; "_mem_gib", "_info", "_oom", "_oom_reason", "_unavailable"; the
+    headline's "_mem_left_gib": GiB still allocated after each side was freed, GPU only; "_profile" with
+    ``profile_dir``), not yet reduced over ranks. A side in ``against`` that runs out of memory or cannot run here
+    is left out of both with its reason. ``on_block(head, single)`` is called after every side's block."""
+    from forgetrain import registry
+    from forgetrain.errors import CannotRunHere
+
+    device = _device(cfg)
+    head: dict = {"_mem_gib": {}, "_info": {}, "_mem_left_gib": {}}
+    one: Optional[dict] = {"_mem_gib": {}, "_info": {}} if single_cfg is not None else None
+    feeds = [(head, _batches(cfg, warmup + steps))] + ([(one, _batches(single_cfg, warmup + steps))] if one else [])
+    state: dict = {"init": None, "stage": "", "part": 0}
+    forged_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
+    sides = [("forged", lambda c: forged_cls(c, device), cfg, single_cfg)]
+    if candidate is not None:
+        cand_cls = registry.resolve_engine(candidate.scenario.engine)
+        sides.append(("candidate", lambda c: cand_cls(c, device), candidate,
+                      single_micro_batch_config(candidate) if one else None))
+    sides += [(n, lambda c, n=n: make_side(n, side_config(c, side_recompute), device), cfg, single_cfg)
+              for n in against]
+    for i, (name, make, c_head, c_one) in enumerate(sides):
+        parts = [(t, c, b) for (t, b), c in zip(feeds, (c_head, c_one))]
+        state["part"], oom = 0, False
+        try:
+            _once_block(name, make, parts, warmup, steps, device, state, profile_dir)
+        except torch.cuda.OutOfMemoryError as e:
+            if i < 1 + (candidate is not None):  # the forged engine or the candidate: no row set without them
+                raise
+            why = oom_reason(e, state["stage"])
+            del e  # its traceback holds the side's tensors
+            for times, _ in feeds[state["part"]:]:
+                times.pop(name, None)
+                times["_oom"] = times.get("_oom", []) + [name]
+                times.setdefault("_oom_reason", {})[name] = why
+            oom = True
+        except (ImportError, CannotRunHere) as e:  # the side cannot run here: one line, the others still run
+            if i < 1 + (candidate is not None):
+                raise
+            for times, _ in feeds:
+                times.setdefault("_unavailable", {})[name] = unavailable_reason(name, e)
+        if oom:  # outside the handler: the exception and its frames (the side's tensors) are gone now
+            free_device(device)
+        if on_block is not None:
+            on_block(head, one)
+    return head, one
+
+
 def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, interleave: str = "auto",
                 engine_cls=None, profile_dir: Optional[Path] = None,
                 side_recompute: Optional[str] = None, candidate: Optional[RunConfig] = None) -> tuple[str, dict]:
     """(mode, side -> step seconds) for the forged engine and ``against``: interleaved A/B when every side fits
     in device memory at once (``interleave=auto``: their estimated footprint under 40% of it) or when asked
-    (``always``), else sequential A-B-A blocks. Reduced over ranks (a collective under torchrun). With
+    (``always``), one block per side with ``once`` (:func:`once_times`, headline batch only here), else sequential
+    A-B-A blocks. Reduced over ranks (a collective under torchrun). With
     ``profile_dir``, ``"_profile"`` holds each side's breakdown of one extra untimed step (:func:`profile_step`).
     A side that cannot be built here (ImportError, or CannotRunHere: e.g. ZeRO-Offload's host memory) is not timed;
     ``"_unavailable"`` maps it to its one-line reason (:func:`unavailable_reason`). ``side_recompute``: the sides'
@@ -558,6 +728,9 @@ def timed_sides(cfg: RunConfig, against: list[str], steps: int, warmup: int, int
     (:func:`candidate_config`), timed as side "candidate" right after the forged one."""
     from forgetrain.memory import host_memory_bytes
 
+    if interleave == "once":
+        head, _ = once_times(cfg, against, steps, warmup, None, engine_cls, profile_dir, side_recompute, candidate)
+        return ONCE_MODE, reduce_over_ranks(head)
     # the device's memory, or on CPU the host's (a tiny model's sides always fit there: each estimate carries a
     # fixed 1 GiB workspace, which a fixed 8 GB limit counted as "too big" for three sides)
     capacity = (torch.cuda.get_device_properties(0).total_memory if cfg.hardware.device == "cuda"
@@ -620,7 +793,8 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
     its IQR (s), the IQR and the fastest and slowest step as percentages of the median (``step_s_iqr_pct``,
     ``step_s_min_pct``, ``step_s_max_pct``), ``noisy`` (IQR above :data:`NOISY_IQR_PCT`), tokens_per_s, mfu_pct and mfu_causal_pct (%), mem_gib (GiB; None on CPU), forged_speedup (this
     side's step time / the forged one's), labelled with the config's ``global_batch_size`` (samples) and
-    ``grad_accum`` (micro-batches per step per DP rank). Raises KeyError when ``times`` has no "forged" side."""
+    ``grad_accum`` (micro-batches per step per DP rank) and the side's ``label`` (:func:`side_label`). Raises
+    KeyError when ``times`` has no "forged" side."""
     from forgetrain.metrics import mfu_metrics, peak_flops
 
     peak, label = peak_flops(cfg.hardware)
@@ -641,6 +815,7 @@ def summarize(cfg: RunConfig, times: dict) -> list[dict]:
                      "noisy": iqr_pct > NOISY_IQR_PCT, "tokens_per_s": tokens / med,
                      **mfu_metrics(cfg.model, tokens / med, peak, _world()[1]), "mem_gib": mem.get(name),
                      "forged_speedup": med / base, "n": len(ts), "peak": label, "devices": _world()[1],
+                     "label": side_label(name, cfg),
                      "global_batch_size": cfg.train.global_batch_size, "grad_accum": grad_accum_steps(cfg)})
     return rows
 
@@ -656,25 +831,47 @@ def noise_warnings(rows: Optional[list[dict]], title: str) -> list[str]:
 
 
 def print_table(rows: list[dict]) -> None:
-    """Print ``rows`` (from :func:`summarize`, non-empty) as one table; raises IndexError when empty."""
+    """Print ``rows`` (from :func:`summarize`, non-empty) as one table, then what each side is (its ``label``);
+    raises IndexError when empty."""
     from forgetrain.metrics import mfu_formula_label
 
-    print(f"{'side':<12} {'gbs':>5} {'accum':>5} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} "
+    w = max([12] + [len(r["side"]) for r in rows])
+    print(f"{'side':<{w}} {'gbs':>5} {'accum':>5} {'step_s':>9} {'±IQR':>8} {'tokens_per_s':>13} {'mfu_pct':>8} "
           f"{'mfu_causal_pct':>15} {'mem_gib':>8} {'forged x':>9}")
     for r in rows:
         mem = f"{r['mem_gib']:.1f}" if r["mem_gib"] is not None else "-"
-        print(f"{r['side']:<12} {r['global_batch_size']:>5} {r['grad_accum']:>5} {r['step_s']:>9.4f} "
+        print(f"{r['side']:<{w}} {r['global_batch_size']:>5} {r['grad_accum']:>5} {r['step_s']:>9.4f} "
               f"{r['step_s_iqr']:>8.4f} {r['tokens_per_s']:>13,.0f} {r['mfu_pct']:>8.2f} {r['mfu_causal_pct']:>15.2f} "
               f"{mem:>8} {r['forged_speedup']:>9.2f}")
     print(f"MFU = FLOPs/token x tokens/s / (peak x {rows[0]['devices']} devices); "
           f"{mfu_formula_label(rows[0]['peak'])}")
+    for r in rows:
+        if r.get("label"):
+            print(f"  {r['side']}: {r['label']}")
 
 
 def check_request(obj: dict) -> None:
     """The bench request of a composed config (``obj["bench"]``), checked by ``forgetrain.cli`` before Hydra
     creates anything, the candidate's config included (:func:`candidate_config`). Raises ConfigError."""
-    _check_bench(BenchConfig(**obj["bench"]))
+    b = BenchConfig(**obj["bench"])
+    _check_bench(b)
     candidate_config(obj, obj["bench"].get("candidate"), int(os.environ.get("WORLD_SIZE", "1")))
+    run_keys = {f.name for f in dataclasses.fields(RunConfig)}
+    check_sides(to_run_config({k: v for k, v in obj.items() if k in run_keys}), list(b.against))
+
+
+INTERLEAVE_MODES = ("auto", "always", "never", "once")  # bench.interleave (BenchConfig)
+
+
+def check_sides(rc: RunConfig, against: list) -> None:
+    """Each side's own refusal of this run before anything is built: a reference's optional ``check_run(cfg)``
+    classmethod (e.g. the torchao float8 sides, on a machine without FP8 GEMMs). Raises ConfigError."""
+    from forgetrain import registry
+
+    for name in against:
+        check = getattr(registry.load_engine_class("references", name), "check_run", None)
+        if check is not None:
+            check(rc)
 
 
 def _check_bench(b: BenchConfig) -> None:
@@ -693,8 +890,8 @@ def _check_bench(b: BenchConfig) -> None:
         raise ConfigError(f"bench.steps must be >= 1 (timed steps per side), got {b.steps}")
     if b.warmup < 0:
         raise ConfigError(f"bench.warmup must be >= 0, got {b.warmup}")
-    if b.interleave not in ("auto", "always", "never"):
-        raise ConfigError(f"bench.interleave must be auto|always|never, got '{b.interleave}'")
+    if b.interleave not in INTERLEAVE_MODES:
+        raise ConfigError(f"bench.interleave must be {'|'.join(INTERLEAVE_MODES)}, got '{b.interleave}'")
     if b.side_recompute not in (None, "none", "full"):
         raise ConfigError(f"bench.side_recompute must be none|full|null (null: engine.recompute), "
                           f"got '{b.side_recompute}'")
@@ -738,6 +935,7 @@ def bench_task(cfg) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(rc, world_size=world)
     candidate = candidate_config(obj, b.candidate, world)
+    check_sides(rc, list(b.against))
     for line in recompute_warnings(rc, b.against, b.side_recompute):
         print(line, file=sys.stderr)
     from forgetrain.distributed import collective_errors, init_distributed
@@ -788,9 +986,10 @@ def fp8_notes(info: dict) -> list[str]:
     """One ``note:`` line per side whose engine info (``bench_info``) says it runs FP8 GEMMs (``engine.fp8``):
     its MFU still counts the model's FLOPs against the peak every side is counted against (on a GPU the bf16 dense
     peak: the convention torchtitan reports its float8 runs under; on CPU a measured matmul rate), so it is not a
-    utilisation of an FP8 peak."""
-    return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 (engine.fp8={i['fp8']}); its MFU is counted "
-            f"against the same peak as every side's (a GPU's bf16 dense peak), not an FP8 peak"
+    utilisation of an FP8 peak. What applies FP8 is the info's ``fp8_by`` (the torchao sides), else engine.fp8."""
+    return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 "
+            f"({i.get('fp8_by') or 'engine.fp8=' + i['fp8']}); its MFU is counted against the same peak as every "
+            f"side's (a GPU's bf16 dense peak), not an FP8 peak"
             for name, i in info.items() if i and i.get("fp8", "none") != "none"]
 
 
@@ -824,16 +1023,23 @@ def _report(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) 
 
 def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: Optional[RunConfig] = None) -> None:
     """Time every side and report (rank 0): the tables, bench.json and, from ``record`` (the composed Hydra config),
-    .hydra/config.yaml beside it. ``candidate``: the config of ``b.candidate`` (:func:`candidate_config`). bench.json is written once the headline is timed (``"complete": false`` while
-    the one-micro-batch rows are still to come), then again whole: a run killed in between keeps its headline."""
+    .hydra/config.yaml beside it. ``candidate``: the config of ``b.candidate`` (:func:`candidate_config`).
+    bench.json is written once the headline is timed (``"complete": false`` while the one-micro-batch rows are still
+    to come; under ``bench.interleave=once`` after every side's block), then again whole: a run killed in between
+    keeps what was timed."""
     from forgetrain.train import _out_dir
 
     out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
-    mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
-                              profile_dir=out if b.profile else None, side_recompute=b.side_recompute,
-                              candidate=candidate)
     single_cfg = single_micro_batch_config(rc)
     wants_single = b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size
+    once = None  # bench.interleave=once: (headline, single) times from one pass over the sides
+    if b.interleave == "once":
+        once = _once_pass(rc, b, out, candidate, single_cfg if wants_single else None)
+        mode, times = ONCE_MODE, once[0]
+    else:
+        mode, times = timed_sides(rc, list(b.against), b.steps, b.warmup, b.interleave,
+                                  profile_dir=out if b.profile else None, side_recompute=b.side_recompute,
+                                  candidate=candidate)
     warning, rows = headline_warning(rc), None
     if rank == 0:
         for line in filter(None, (warning, warmup_warning(b))):
@@ -842,10 +1048,12 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: Opt
         for name, info in times.get("_info", {}).items():
             if info:
                 print(f"engine info {name}: {info}")
-        if wants_single:
+        if wants_single and once is None:
             _write_report(out, rc, b, mode, times, rows, warning, complete=False)
     single = None  # (mode, times) at one micro-batch per step; not timed twice when the headline is that already
-    if wants_single:
+    if once is not None and once[1] is not None:
+        single = (mode, once[1])
+    elif wants_single:
         runnable = [s for s in b.against if s not in times.get("_unavailable", {})]  # not built twice to fail
         single = timed_sides(single_cfg, runnable, b.steps, b.warmup, b.interleave, side_recompute=b.side_recompute,
                              candidate=single_micro_batch_config(candidate) if candidate else None)
@@ -864,6 +1072,25 @@ def _bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: Opt
 
         _record_config(out, record, resume=False)
     print(f"wrote {out / 'bench.json'}", file=sys.stderr)
+
+
+def _once_pass(rc: RunConfig, b: BenchConfig, out: Path, candidate: Optional[RunConfig],
+               single_cfg: Optional[RunConfig]) -> tuple[dict, Optional[dict]]:
+    """:func:`once_times` for ``_bench``, reduced over ranks, writing bench.json (rank 0, ``"complete": false``)
+    after every side's block, so that a call killed later keeps the sides timed so far."""
+
+    def on_block(head: dict, one: Optional[dict]) -> None:
+        head = reduce_over_ranks(head)
+        one = reduce_over_ranks(one) if one is not None else None
+        if _world()[0] == 0:
+            rows_one = summarize(single_cfg, one) if one is not None and one.get("forged") else None
+            _write_report(out, rc, b, ONCE_MODE, head, summarize(rc, head), headline_warning(rc), complete=False,
+                          single_times=one, rows_single=rows_one)
+
+    head, one = once_times(rc, list(b.against), b.steps, b.warmup, single_cfg,
+                           profile_dir=out if b.profile else None, side_recompute=b.side_recompute,
+                           candidate=candidate, on_block=on_block)
+    return reduce_over_ranks(head), reduce_over_ranks(one) if one is not None else None
 
 
 def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: dict, rows: list[dict],
@@ -887,6 +1114,7 @@ def _write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: di
                                            "profile": times.get("_profile"),
                                            "engine_info": times.get("_info"),
                                            "forged_blocks_s": times.get("_forged_blocks"),
+                                           "mem_left_after_free_gib": times.get("_mem_left_gib"),
                                            "side_recompute": b.side_recompute,
                                            "candidate": b.candidate,
                                            "warnings": recompute_warnings(rc, b.against, b.side_recompute)

@@ -200,7 +200,8 @@ def test_bench_records_recompute_for_both_baselines(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "bench.json").read_text())
     assert {r["side"] for r in res["rows"]} == {"forged", "torch_compile", "torchtitan"}
-    assert res["engine_info"]["torch_compile"] == {"recompute": "full", "recompute_num_layers": None}
+    assert res["engine_info"]["torch_compile"] == {"recompute": "full", "recompute_num_layers": None,
+                                                   "param_dtype": "float32"}
     assert res["engine_info"]["torchtitan"] == {"recompute": "full"}
 
 
@@ -244,4 +245,4 @@ def test_torch_compile_block_recompute_is_bitwise_and_reruns_only_the_first_bloc
     assert runs["block"][2] == [2 * ga * STEPS, ga * STEPS], runs["block"][2]
     assert runs["block"][0] == runs["off"][0]
     assert all(torch.equal(runs["block"][1][k], runs["off"][1][k]) for k in runs["off"][1])
-    assert runs["block"][3] == {"recompute": "full", "recompute_num_layers": 1}
+    assert runs["block"][3] == {"recompute": "full", "recompute_num_layers": 1, "param_dtype": "float32"}

@@ -274,7 +274,7 @@ def _sides_with_an_unrunnable_one(monkeypatch):
                         lambda kind, name: _Broken if name == "broken" else real(kind, name))
 
 
-@pytest.mark.parametrize("interleave", ["always", "never"])
+@pytest.mark.parametrize("interleave", ["always", "never", "once"])
 def test_a_side_that_cannot_run_here_is_one_line_and_the_others_are_timed(monkeypatch, interleave):
     """A general framework that cannot be built on this torch (ImportError) is reported with its reason, the
     other sides are still timed; in both timing modes."""
@@ -360,7 +360,7 @@ def test_an_out_of_memory_message_in_other_words_gives_its_first_line():
     assert why == "out of memory while timed step 2 of 3: HIP out of memory"
 
 
-@pytest.mark.parametrize("interleave", ["always", "never"])
+@pytest.mark.parametrize("interleave", ["always", "never", "once"])
 def test_side_recompute_reaches_the_sides_and_not_the_forged_engine(monkeypatch, interleave):
     """``bench.side_recompute=full`` builds every side with ``engine.recompute=full`` (a framework fitted the way
     its users fit the card) while the forged engine keeps its own ``engine.recompute=none``; null leaves the sides
@@ -496,3 +496,100 @@ def test_headline_is_on_disk_before_the_single_micro_batch_timing(tmp_path, monk
     bench._bench(rc, b, rank=0)
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["complete"] is True and [r["global_batch_size"] for r in res["rows_single_micro_batch"]] == [2, 2]
+
+
+def test_bench_once_gives_both_row_sets_from_one_block_per_side(tmp_path):
+    """``bench.interleave=once``: every side is built once (one block line each, no closing forged block), both row
+    sets come from that pass, every row carries its side's label (Megatron-core's says it has no Transformer
+    Engine), and the strong and the autocast torch_compile sides are timed beside it."""
+    p = subprocess.run([sys.executable, "-m", "forgetrain.bench", *TINY[:-2], "train.threads=1",
+                        "bench.against=[megatron,torch_compile,torch_compile_autocast]", "bench.interleave=once",
+                        "train.global_batch_size=4", f"bench.out_dir={tmp_path}"], cwd=ROOT, env=_env(), text=True,
+                       capture_output=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert res["complete"] is True and res["mode"] == "sequential, one block per side (bench.interleave=once)"
+    sides = ["forged", "megatron", "torch_compile", "torch_compile_autocast"]
+    for key, gbs in (("rows", 4), ("rows_single_micro_batch", 2)):
+        assert [r["side"] for r in res[key]] == sides and {r["global_batch_size"] for r in res[key]} == {gbs}
+        labels = {r["side"]: r["label"] for r in res[key]}
+        assert "no Transformer Engine" in labels["megatron"] and "fp32 masters" in labels["torch_compile"]
+        assert "autocast" in labels["torch_compile_autocast"]
+    blocks = [x for x in p.stdout.splitlines() if x.startswith("[block] ")]
+    assert [b.split()[1] for b in blocks] == sides, blocks
+    assert "[block] megatron (Megatron-core 0.16.1 local spec (no Transformer Engine))" in blocks[1]
+    assert "  megatron: Megatron-core 0.16.1 local spec (no Transformer Engine)" in p.stdout
+    assert "forged drift" not in p.stdout and res["forged_blocks_s"] is None
+    assert res["engine_info"]["torch_compile"]["param_dtype"] == "float32"  # llama_micro's default precision
+
+
+class _Counted:
+    """A megatron side that counts its builds and the micro-batches of its steps (class-level records)."""
+
+    builds: list = []
+    fixed_grad_accum = False
+
+    def __init__(self, cfg, device):
+        from forgetrain import registry
+
+        type(self).builds.append(cfg.train.global_batch_size)
+        self.inner = registry.load_engine_class("references", "megatron")(cfg, device)
+
+    def __getattr__(self, k):
+        return getattr(self.inner, k)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_once_builds_each_side_once_unless_its_accumulation_is_fixed(monkeypatch, fixed):
+    """One build per side for both batches; a side with ``fixed_grad_accum`` (DeepSpeed's) is built again at the
+    single micro-batch. ``on_block`` sees every side's block as it ends."""
+    import dataclasses
+
+    from forgetrain import bench, registry
+
+    real = registry.load_engine_class
+    counted = type("Counted", (_Counted,), {"builds": [], "fixed_grad_accum": fixed})
+    monkeypatch.setattr(registry, "load_engine_class",
+                        lambda kind, name: counted if name == "counted" else real(kind, name))
+    cfg = _micro_cfg()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=4))
+    seen = []
+    head, one = bench.once_times(cfg, ["counted"], steps=1, warmup=0, single_cfg=bench.single_micro_batch_config(cfg),
+                                 on_block=lambda h, o: seen.append(sorted(k for k in h if not k.startswith("_"))))
+    assert counted.builds == ([4, 2] if fixed else [4])
+    assert len(head["forged"]) == len(head["counted"]) == len(one["forged"]) == len(one["counted"]) == 1
+    assert seen == [["forged"], ["counted", "forged"]]
+    assert head["_mem_left_gib"] == {} and "_forged_blocks" not in head  # CPU: no device memory to count
+
+
+def test_once_a_side_out_of_memory_at_the_single_micro_batch_keeps_its_headline(monkeypatch):
+    """A side that runs out of memory in its one-micro-batch steps keeps its headline row; the single row set
+    names it out of memory with where and why; a side that cannot run here is left out of both."""
+    import dataclasses
+
+    import torch
+
+    from forgetrain import bench, registry
+
+    class _BigAtOne(_Counted):
+        builds: list = []
+
+        def train_step(self, mbs):
+            if len(mbs) == 1:
+                raise torch.OutOfMemoryError(_OOM_MSG)
+            return self.inner.train_step(mbs)
+
+    _sides_with_an_unrunnable_one(monkeypatch)
+    patched = registry.load_engine_class
+    monkeypatch.setattr(registry, "load_engine_class",
+                        lambda kind, name: _BigAtOne if name == "big" else patched(kind, name))
+    cfg = _micro_cfg()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=4))
+    head, one = bench.once_times(cfg, ["broken", "big"], steps=1, warmup=1,
+                                 single_cfg=bench.single_micro_batch_config(cfg))
+    assert len(head["big"]) == 1 and "big" not in one and one["_oom"] == ["big"] and "_oom" not in head
+    assert one["_oom_reason"]["big"].startswith("out of memory while warm-up step 1 of 2 (micro-batch 2 x "
+                                                "grad-accum 1): asked for 3.91 GiB more")
+    assert "broken" in head["_unavailable"] and "broken" in one["_unavailable"]
+    assert "broken" not in head and "broken" not in one
+    assert {r["side"] for r in bench.summarize(cfg, head)} == {"forged", "big"}

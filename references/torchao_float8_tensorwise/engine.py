@@ -1,0 +1,10 @@
+"""``torchao_float8_tensorwise``: the strong ``torch_compile`` script with torchao float8 training (recipe
+"tensorwise") on its decoder linears (:mod:`references.torch_compile.float8`). A bench side only."""
+
+from references.torch_compile.float8 import Float8Engine
+
+
+class Engine(Float8Engine):
+    name = "torchao_float8_tensorwise"
+    recipe = "tensorwise"
+    bench_label = "strong torch_compile + torchao float8 (tensorwise) on the decoder linears"
