@@ -80,16 +80,19 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """The whole model: ``forward(ids [b, s] int64, labels [b, s] int64 | None)`` gives the token-mean
-    cross-entropy (a 0-d fp32 tensor, nats) of the fp32-cast logits, or the logits ``[b, s, vocab]`` without
-    labels."""
+    """The whole model: ``forward(ids [b, s] int64, labels [b, s] int64 | None)`` gives the cross-entropy (nats)
+    of the fp32-cast logits -- the token mean (0-d fp32), or per token ``[b * s]`` with ``reduction="none"`` --
+    or the logits ``[b, s, vocab]`` without labels. ``block`` builds each decoder block (default :class:`Block`,
+    the fused one; ``references/torch_compile_autocast`` passes its HF-layout block)."""
 
-    def __init__(self, c, recompute: bool = False, recompute_layers: int | None = None):
+    def __init__(self, c, recompute: bool = False, recompute_layers: int | None = None, block=None,
+                 reduction: str = "mean"):
         super().__init__()
-        self.c, self.recompute = c, recompute
+        self.c, self.recompute, self.reduction = c, recompute, reduction
+        block = Block if block is None else block
         self.recompute_layers = c.num_layers if recompute_layers is None else recompute_layers
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(block(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         d = c.hidden_size // c.num_attention_heads
@@ -112,7 +115,8 @@ class Llama(nn.Module):
         logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.c.norm_epsilon))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1),
+                               reduction=self.reduction)
 
 
 def megatron_std(name: str, c) -> float:

@@ -27,10 +27,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from forgetrain.engine import StepResult
 from forgetrain.schedule import lr_for_step
+from references.torch_compile.engine import Llama
 
 
 class _Block(nn.Module):
@@ -65,38 +65,6 @@ class _Block(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class _Llama(nn.Module):
-    def __init__(self, c, recompute: bool = False, recompute_layers: int | None = None):
-        super().__init__()
-        self.c, self.recompute = c, recompute
-        self.recompute_layers = c.num_layers if recompute_layers is None else recompute_layers
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
-        self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        d = c.hidden_size // c.num_attention_heads
-        inv = 1.0 / (c.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        f = torch.outer(torch.arange(c.seq_length, dtype=torch.float32), inv)
-        emb = torch.cat((f, f), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, ids, labels=None):
-        s = ids.shape[1]
-        x = self.embed_tokens(ids)
-        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
-        ckpt = self.recompute and torch.is_grad_enabled()  # engine.recompute=full: one block per checkpoint
-        for i, blk in enumerate(self.layers):  # engine.recompute_num_layers: only the first N blocks
-            if ckpt and i < self.recompute_layers:
-                x = checkpoint(blk, x, cos, sin, use_reentrant=False)
-            else:
-                x = blk(x, cos, sin)
-        logits = self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, self.c.norm_epsilon))
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-
-
 class Engine:
     """Benchmark baseline implementing forgetrain.engine.TrainEngine (no module probes, no digests)."""
 
@@ -116,7 +84,7 @@ class Engine:
             raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
         self.cfg, self.device, self.t = cfg, torch.device(device), cfg.train
         with torch.device(self.device):
-            self.model = _Llama(cfg.model, recompute=cfg.engine.recompute == "full",
+            self.model = Llama(cfg.model, recompute=cfg.engine.recompute == "full", block=_Block, reduction="none",
                                 recompute_layers=cfg.engine.recompute_num_layers)
         g = torch.Generator(device=self.device).manual_seed(self.t.seed)
         with torch.no_grad():
