@@ -35,6 +35,7 @@ from forgetrain.config import RunConfig, to_run_config
 from forgetrain.errors import ConfigError
 
 GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "references" / "goldens"
+TEMP_INITS = "reference_inits"  # verify's own cache of a golden's rebuilt inits when verify.init_cache is unset
 
 
 @dataclass
@@ -281,8 +282,8 @@ def golden_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path, seed: int, sha: 
                 return state
         except Exception:  # noqa: BLE001 - a damaged cache entry is regenerated
             pass
-        print(f"warning: {cache} does not hash to the golden's init of seed {seed}; regenerating it",
-              file=sys.stderr)
+        print(f"warning: the cached init {cache} does not hash to the golden's init of seed {seed} (damaged, "
+              f"or the golden's hash changed); rebuilding it from the seed", file=sys.stderr)
     state = reference_init(cfg, vcfg, seed)
     got = init_sha256(state)
     if got != sha:
@@ -319,14 +320,15 @@ def pin_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path) -> None:
 
     traces = _curve_golden_traces(gdir, vcfg)
     now = versions()
-    for s, t in zip(vcfg.seeds, traces):
+    for s, t in zip(vcfg.seeds, traces):  # every seed first: a refusal pins none
         made = json.loads((t / "meta.json").read_text()).get("versions", {})
-        diff = [f"{k} {made.get(k)} -> {now.get(k)}" for k in ("torch", "megatron-core", "gpu", "cuda")
-                if made.get(k) != now.get(k)]
+        keys = ("torch", "megatron-core", "gpu", "cuda") if made.get("gpu") else ("torch", "megatron-core", "cpu")
+        diff = [f"{k} {made.get(k)} -> {now.get(k)}" for k in keys if made.get(k) != now.get(k)]
         if diff:
             raise ConfigError(f"the golden {t} was made with other versions than this process runs "
                               f"({'; '.join(diff)}); its init cannot be pinned here: remake it with "
                               f"verify.make_golden=true \"verify.seeds=[{s}]\"")
+    for s, t in zip(vcfg.seeds, traces):
         state = reference_init(cfg, vcfg, s)
         if _is_rank0():
             sha = _write_init_hash(t.parent, state, "regenerated from the seed after the trace was made, with the "
@@ -465,11 +467,16 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
         return []
     refs, inits = _curve_references(cfg, vcfg, out, gdir)
     if vcfg.make_golden:
+        for s in vcfg.seeds:  # the hashes are stored; the weights are not kept
+            if _is_rank0():
+                (out / f"reference_seed{s}" / "init.safetensors").unlink(missing_ok=True)
         return []
     cand = curve_candidate_runs(cfg, vcfg, out, inits, engine_cls)
     for init in inits or []:  # a live reference's exported inits: rebuilt from the seed when needed again
         if isinstance(init, Path) and _is_rank0():
             init.unlink(missing_ok=True)
+    if _is_rank0():
+        shutil.rmtree(out / TEMP_INITS, ignore_errors=True)
     times = None
     if tier.kind == registry.SPEED:
         from forgetrain.bench import side_by_side_step_times
@@ -492,7 +499,7 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
         if _is_rank0():
             print(f"reference: the stored golden {gdir}, seeds {list(vcfg.seeds)} (not re-run)", file=sys.stderr)
         if want and hashes is None:
-            why = (f"the golden {gdir.name} stores no init hash for every seed, so paired runs cannot start from "
+            why = (f"the golden {gdir.name} lacks the init hash of some seeds, so paired runs cannot start from "
                    f"its inits; record them with verify.pin_init=true")
             if vcfg.paired:
                 raise ConfigError(f"verify.paired=true: {why}")
@@ -500,7 +507,12 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
                 print(f"note: judged unpaired only: {why}", file=sys.stderr)
         if hashes is None:
             return refs, None
-        return refs, [lambda s=s: golden_init(cfg, vcfg, gdir, s, hashes[s]) for s in vcfg.seeds]
+        # every seed's init rebuilt and checked before any candidate runs (kept in verify.init_cache, else in
+        # a directory of the output that verify deletes afterwards), so a wrong hash costs no candidate run
+        vc = vcfg if vcfg.init_cache else dataclasses.replace(vcfg, init_cache=str(out / TEMP_INITS))
+        for s in vcfg.seeds:
+            golden_init(cfg, vc, gdir, s, hashes[s])
+        return refs, [lambda s=s: golden_init(cfg, vc, gdir, s, hashes[s]) for s in vcfg.seeds]
     store = (vcfg.regenerate or vcfg.make_golden) and _is_rank0()
     refs, inits = [], []
     for s in vcfg.seeds:
@@ -512,6 +524,8 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
 
             _write_init_hash(gdir / f"seed_{s}", load_file(str(ref / "init.safetensors")),
                              "exported by the reference run that made the trace")
+            if not want:  # exported for the hash alone
+                (ref / "init.safetensors").unlink()
         refs.append(ref / "trace")
         inits.append(ref / "init.safetensors")
     return refs, inits if want else None
@@ -561,11 +575,20 @@ def _check_curve_request(vcfg: VerifyConfig, tier) -> None:
     """The curve tiers' own options (paired, candidate_seeds, pin_init). Raises ConfigError."""
     from forgetrain.equivalence.registry import PAIR
 
+    from forgetrain.config import SEED_MAX
+    from forgetrain.equivalence.registry import SPEED
+
     if vcfg.paired not in (None, True, False):
         raise ConfigError(f"verify.paired must be true, false or null, got {vcfg.paired!r}")
     seeds = list(vcfg.candidate_seeds)
-    if any(isinstance(u, bool) or not isinstance(u, int) for u in seeds) or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"verify.candidate_seeds must be distinct integers, got {seeds}")
+    for name, xs in (("seeds", list(vcfg.seeds)), ("candidate_seeds", seeds)):
+        if (any(isinstance(u, bool) or not isinstance(u, int) or not 0 <= u <= SEED_MAX for u in xs)
+                or len(set(xs)) != len(xs)):  # a repeated seed would count one run twice as independent
+            raise ConfigError(f"verify.{name} must be distinct integers in [0, {SEED_MAX}], got {xs}")
+    if tier.kind == SPEED and vcfg.paired is False:
+        raise ConfigError(f"tier={tier.name} rests on the paired {tier.rests_on} test: drop verify.paired=false")
+    if vcfg.init_cache is not None:
+        _check_writable_dir(Path(vcfg.init_cache), "verify.init_cache")
     shared = sorted(set(seeds) & set(vcfg.seeds))
     if shared:
         raise ConfigError(f"verify.candidate_seeds {shared} are reference seeds too: an unpaired run must not share "
@@ -580,6 +603,20 @@ def _check_curve_request(vcfg: VerifyConfig, tier) -> None:
             raise ConfigError(f"the unpaired check compares >= 3 candidate seeds with the reference seeds (a "
                               f"two-sample test), got verify.candidate_seeds={seeds}; give 3 or more, or [] to "
                               f"skip it")
+
+
+def _check_writable_dir(d: Path, what: str) -> None:
+    """Raise ConfigError unless ``d`` is, or can be made as, a directory: its nearest existing ancestor takes a
+    probe directory (made and removed at once, so a refused request writes nothing)."""
+    import tempfile
+
+    top = next((p for p in [d, *d.parents] if p.exists()), None)
+    try:
+        if top is None or not top.is_dir():
+            raise NotADirectoryError(str(top))
+        Path(tempfile.mkdtemp(dir=top, prefix=".ft-probe-")).rmdir()
+    except OSError as e:
+        raise ConfigError(f"{what}={d} cannot be written ({type(e).__name__}: {e})") from e
 
 
 def _check_golden(gdir: Path) -> None:

@@ -27,7 +27,7 @@ def _curve_cfg():
 
 
 def _vcfg(**kw):
-    return V.VerifyConfig(curve_steps=STEPS, seeds=SEEDS, digests=False, **kw)
+    return V.VerifyConfig(**{"curve_steps": STEPS, "seeds": SEEDS, "digests": False, **kw})
 
 
 class LrTimes09(Engine):
@@ -118,6 +118,8 @@ def test_golden_stores_init_hashes_and_a_changed_hash_is_refused_in_one_line(gol
     with pytest.raises(ConfigError) as e:
         V.verify(cfg, _vcfg(golden=True, candidate_seeds=[]), "loss_curve", tmp_path / "bad")
     assert "seed 1235" in str(e.value) and "sha256" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "bad").glob("candidate*"))  # every hash is checked before any candidate runs
+    assert not list((tmp_path / "g").rglob("*.safetensors"))  # the golden's maker keeps the hashes, not weights
 
 
 def test_golden_without_init_hashes_is_judged_unpaired_or_pinned(golden_root, tmp_path, capsys):
@@ -139,9 +141,34 @@ def test_golden_without_init_hashes_is_judged_unpaired_or_pinned(golden_root, tm
     ({"candidate_seeds": [1234, 9, 10]}, "reference seeds too"),
     ({"candidate_seeds": [9, 10]}, ">= 3 candidate seeds"),
     ({"candidate_seeds": [9, 9, 10]}, "distinct integers"),
+    ({"candidate_seeds": [-1, -2, -3]}, "distinct integers in"),
+    ({"seeds": [1234, 1234, 1235]}, "verify.seeds must be distinct"),  # one run counted twice as independent
     ({"paired": False, "candidate_seeds": []}, "no candidate run"),
     ({"pin_init": True}, "pin_init=true records"),
+    ({"init_cache": "/proc/forbidden/x"}, "cannot be written"),
 ])
 def test_curve_requests_that_cannot_be_judged_are_refused(kw, match):
     with pytest.raises(ConfigError, match=match):
         V._check_request(_vcfg(**kw), V._tier("loss_curve"))
+
+
+def test_surpass_refuses_an_unpaired_only_request():
+    with pytest.raises(ConfigError, match="rests on the paired loss_curve"):
+        V._check_request(_vcfg(paired=False), V._tier("surpass"))
+
+
+def test_pin_init_refuses_before_pinning_any_seed(golden_root, tmp_path):
+    import json
+
+    cfg = _curve_cfg()
+    V.verify(cfg, _vcfg(make_golden=True), "loss_curve", tmp_path / "g")
+    gdir = V.curve_golden_dir(cfg, _vcfg())
+    for s in SEEDS:
+        (gdir / f"seed_{s}" / "init.json").unlink()
+    meta = gdir / "seed_1236" / "trace" / "meta.json"
+    m = json.loads(meta.read_text())
+    m["versions"]["torch"] = "0.0.0"
+    meta.write_text(json.dumps(m))
+    with pytest.raises(ConfigError, match="torch 0.0.0"):
+        V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "pin")
+    assert not list(gdir.rglob("init.json"))

@@ -105,13 +105,16 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
                  label="reference window mean" if j == 0 else None)
         ax1.plot([(s0 + s1) / 2], [w["cand"]], "D", ms=4, zorder=3,
                  color="tab:red" if w["inside"] else "black",
-                 label="candidate window mean" if j == 0 else None)
+                 label=("candidate window mean" + (" (unpaired runs)" if lc.evidence.get("unpaired") else ""))
+                 if j == 0 else None)
     cmap = plt.get_cmap("Blues")
     for i, (d, (s, l)) in enumerate(refs):
         ax1.plot(s, l, lw=0.9, alpha=0.8, color=cmap(0.45 + 0.5 * i / max(1, len(refs) - 1)),
-                 label=f"reference {i}: {Path(d).name}")
+                 label=f"reference {i}: {Path(d).parent.name if Path(d).name == 'trace' else Path(d).name}")
     if cand is not None:
-        ax1.plot(cand[0], cand[1], lw=1.4, color="tab:red", label=f"candidate: {Path(str(cand_dir)).name}")
+        name = Path(str(cand_dir))
+        ax1.plot(cand[0], cand[1], lw=1.4, color="tab:red",
+                 label=f"candidate: {name.parent.name if name.name == 'trace' else name.name}")
     ax1.set_ylabel("loss (nats)")
     ax1.set_title("loss curves" + (f"  (unreadable: {', '.join(Path(u).name for u in unreadable)})"
                                    if unreadable else ""))
