@@ -54,13 +54,18 @@ RUNTIME_ESCAPES = [  # (patch, class, label, what the first problem names)
 
 @pytest.fixture(scope="module")
 def escapes_run(tmp_path_factory):
+    """The run-time escapes against the in-process guard alone (``FORGE_ISOLATION=off``): what holds where the
+    operating system cannot isolate the candidate. Where it can, most of them cannot even be attempted (the
+    files are not there, the writes fail): tests/test_forge_seal.py runs those with the isolation on."""
     tmp = tmp_path_factory.mktemp("forge_escapes")
     rounds = {i + 1: [p] for i, (p, *_) in enumerate(RUNTIME_ESCAPES)}
     rounds[len(rounds) + 1] = ["engine_comment"]  # honest: must still seal
     agent, marker = agent_for(tmp, rounds), tmp / "planted_bytecode_ran"
     plan = Path(agent.command.split()[-1])
     plan.write_text(json.dumps(dict(json.loads(plan.read_text()), vars={"repo": str(ROOT), "marker": str(marker)})))
-    state = forge(micro_rc(), options(tmp, max_rounds=len(rounds)), agent, gate_paths=fake_gates(tmp))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGE_ISOLATION", "off")
+        state = forge(micro_rc(), options(tmp, max_rounds=len(rounds)), agent, gate_paths=fake_gates(tmp))
     return {"state": state, "log": log_of(tmp / "out"), "out": tmp / "out", "marker": marker}
 
 

@@ -52,7 +52,9 @@ class ForgeOptions:
     baseline: bool = True  # run the ladder on the seeded engine before round 1 (round 0)
     seed_from: Optional[str] = None  # a sealed engine dir (with seal.json) to start from instead of the template
     kb_path: Optional[str] = None  # knowledge base JSONL; default $FORGETRAIN_CACHE or ~/.cache/forgetrain
-    verify_steps: int = 3  # optimizer steps per bitwise/tolerance gate run
+    verify_steps: int = 3  # optimizer steps per bitwise/tolerance gate run (the least a run draws)
+    verify_steps_max: Optional[int] = None  # the most a gate run draws; None: verify_steps + 2 (forgetrain.forge.secret)
+    gate_window: float = 0.5  # fraction of the corpus's documents in each gate run's secret data window
     curve_steps: int = 200  # steps per run for loss_curve / surpass gates
     timing_steps: int = 10  # surpass: timed steps per engine
     reference: str = "megatron"  # the golden reference package under references/
