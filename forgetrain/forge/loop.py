@@ -347,13 +347,29 @@ class _Run:
         s["wall_s"] = float(s.get("wall_s", 0.0)) + rec["wall_s"]
         self._save_state()
 
-    def _finish_round(self, k: int, rec: dict, res: dict | None, changed: bool, t0: float) -> bool:
-        """Commit/snapshot, learn, check the goal, log. Returns True when the goal is reached."""
+    def _finish_round(self, k: int, rec: dict, res: dict | None, changed: bool, t0: float, base: str) -> bool:
+        """Check the goal (and, when it is reached, the installed engine: :func:`forgetrain.forge.seal.reverify`),
+        commit/snapshot, learn, log. A failed re-check rejects the round (class 6) and reverts it to ``base``.
+        Returns True when the goal is reached."""
         s = self.state
-        if res is not None and changed:
-            passed = bool(res.get("strictest_passed"))
+        new = res is not None and changed
+        cur = res if new else (s.get("last_ladder") or {})
+        mfu = (cur.get("metrics") or {}).get("mfu_pct")
+        goal = bool(cur.get("target_met")) and (self.opts.target_mfu_pct is None or
+                                                 (mfu is not None and mfu >= self.opts.target_mfu_pct))
+        problems = sealmod.reverify(self, k, self.out / "rounds" / str(k)) if goal else []
+        if problems:  # the seal's condition: the installed engine passes the same gate again
+            goal = False
+            wsmod.revert_to(self.ws, base)
+            sandbox.remove_unscanned(self.ws)
+            s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: rejected")
+            s["last_ladder"] = None  # the engine now in the workspace is judged again next round
+            rec.update({"guard": sandbox.GUARD_LABELS[problems[0][0]],
+                        "guard_problems": [sandbox.reason(c, x) for c, x in problems],
+                        "ladder": f"{_ladder_text(cur)}; the installed engine failed it"})
+        elif new:
             msg = f"round {k}: {_ladder_text(res)}"
-            if passed:
+            if res.get("strictest_passed"):
                 commit = wsmod.commit_branch(self.ws, msg)
                 wsmod.git(self.ws, "update-ref", f"refs/forge/rounds/{k}", commit)
             else:
@@ -362,16 +378,6 @@ class _Run:
             rec["lessons"] = self.learn(k, res, commit)
         else:  # nothing new to judge: the end state is the previous one (plus the brief)
             s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: no engine change")
-        cur = s.get("last_ladder") or {}
-        mfu = (cur.get("metrics") or {}).get("mfu_pct")
-        goal = bool(cur.get("target_met")) and (self.opts.target_mfu_pct is None or
-                                                 (mfu is not None and mfu >= self.opts.target_mfu_pct))
-        problems = sealmod.reverify(self, k, self.out / "rounds" / str(k)) if goal else []
-        if problems:  # the seal's condition: the installed engine passes the same gate again, run as a user's is
-            goal = False
-            rec.update({"guard": sandbox.GUARD_LABELS[problems[0][0]],
-                        "guard_problems": [sandbox.reason(c, x) for c, x in problems],
-                        "ladder": f"{_ladder_text(res) if res else 'unchanged'}; the installed engine failed"})
         tier, div, summ = _first_failure(res)
         rec.update({"ladder": rec.get("ladder") or _ladder_text(res),
                     "tiers_passed": [v["tier"] for v in (res or {}).get("verdicts", []) if v["passed"]],
@@ -401,7 +407,7 @@ class _Run:
         if tampered:
             self._abort(k, rec, base, tampered, "while the ladder ran", t0)
             return None
-        goal = self._finish_round(k, rec, res, res is not None, t0)
+        goal = self._finish_round(k, rec, res, res is not None, t0, base)
         self.state["baseline_done"] = True
         self._save_state()
         self.progress(rec)
@@ -465,7 +471,7 @@ class _Run:
             changed = res is not None
         else:
             rec["ladder"] = "skipped (no change)"
-        goal = self._finish_round(k, rec, res, changed, t0)
+        goal = self._finish_round(k, rec, res, changed, t0, pre)
         self.progress(rec)
         return goal
 
