@@ -7,10 +7,13 @@
 Pieces (each its own module): :mod:`.workspace` (seeding, git snapshots, the write guard, loading the candidate
 engine from source), :mod:`.brief` (the per-round brief), :mod:`.knowledge` (the cross-run knowledge base),
 :mod:`.sandbox` (the escape classes, the gate set, the checks outside the candidate), :mod:`.runtime_guard` (the
-audit hook in the candidate's process), :mod:`.procs` (the agent and the ladder as processes), :mod:`._ladder`
-(the gates and the verdict), :mod:`._golden` and :mod:`._candidate` (the reference's and the candidate's
-processes), :mod:`.loop` (the rounds, state, log, seal), :mod:`.install` (copy a sealed engine into
-``scenarios/``).
+audit hook in the candidate's process), :mod:`.isolate` (the operating system's isolation of that process),
+:mod:`.secret` (each gate run's secret values and data window), :mod:`.recheck` (the judge's checks of a trace),
+:mod:`.content` (the content check against the reference frameworks), :mod:`.bracket` (what the judge reads
+outside the repository, around every round), :mod:`.procs` (the agent and the ladder as processes),
+:mod:`._ladder` (the gates and the verdict), :mod:`._golden` and :mod:`._candidate` (the reference's and the
+candidate's processes), :mod:`.loop` (the rounds, state, log), :mod:`.seal` (the installed copy's re-check, the
+seal), :mod:`.install` (copy a sealed engine into ``scenarios/``).
 
 This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point; it
 imports neither torch nor megatron. Neither the loop nor the ladder imports a candidate engine: the candidate

@@ -7,23 +7,27 @@ at the first that passes; target ``surpass`` tries the short-run tiers (bitwise,
 ``surpass`` (which carries its own loss_curve verdict). Each engine runs in a process of its own
 (docs/forge.md, threat model):
 
-1. goldens first: the reference's runs that the tiers need, made by ``forgetrain.forge._golden`` when the spec's
-   ``golden_root`` (the forge run's own dir, never the repository's ``references/goldens``) lacks them;
-2. per tier, the candidate in ``forgetrain.forge._candidate``: it loads ``WS/engine`` under the run-time guard and
-   writes only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the
-   result's ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
-3. the verdict, computed here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the
-   judge's code before any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference,
-   candidate).
+0. the run's secret values are drawn from the spec's ranges (:mod:`forgetrain.forge.secret`; a spec may pin
+   ``drawn``): the judge's spec (``OUT/spec.json``) has them, the candidate's process never reads it;
+1. goldens: the reference's runs the tiers need for those values, made by ``forgetrain.forge._golden`` into
+   ``OUT/golden`` after it has cut the data window into ``OUT/_data``, while the first candidate process starts;
+2. per tier, the candidate in ``forgetrain.forge._candidate``, isolated by the operating system where it can be
+   (:mod:`forgetrain.forge.isolate`): it loads the engine (``WS/engine``, or the spec's installed ``candidate``)
+   under the run-time guard as ``scenarios.<name>``, gets its run on stdin once the goldens exist, and writes
+   only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the result's
+   ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
+3. the judge's own checks of the trace (:mod:`forgetrain.forge.recheck`: class 5), then the verdict, computed
+   here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the judge's code before
+   any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference, candidate).
 
 The golden sides use the forge run's private bytecode cache (the loop passes it as ``PYTHONPYCACHEPREFIX``; run
 by hand, ``OUT/pycache``); each candidate's process gets a private view of it
 (``forgetrain.forge.sandbox.candidate_cache``), compared file by file once the process and everything it started
 have ended (this process is their subreaper on Linux): a change rejects the candidate naming the file, and the
 harness's cache starts over. Writes the result JSON (``ok``, ``error``, ``rejected``, ``verdicts``,
-``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``, ``wall_s``) and prints
-the verdict table. Exit 0 when the target is met, 1 when not, 3 when the candidate (or a
-gate) failed to run, 4 when the candidate was rejected.
+``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``, ``gate``: the drawn
+values, the window, the isolation; ``wall_s``) and prints the verdict table. Exit 0 when the target is met, 1 when
+not, 3 when the candidate (or a gate) failed to run, 4 when the candidate was rejected.
 """
 
 from __future__ import annotations

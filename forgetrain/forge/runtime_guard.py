@@ -19,12 +19,21 @@ What the hook watches (the escape classes are :data:`forgetrain.forge.sandbox.ES
   the interpreter's objects (``gc.get_referrers`` ...) or tracing frames (``sys.settrace``) from engine code
   -> class 1; reading a reference's source -> class 2;
 * writes (open for writing, rename, remove, ...) into the repository's gate directories -> class 4, into the
-  workspace or a bytecode cache -> class 3, into the goldens or the ladder run's dir -> class 1.
+  workspace or a bytecode cache -> class 3, into the goldens or the ladder run's dir -> class 1; reads or writes of
+  the shared caches (prepared corpora, the CPU peak), writes of the data window, and writes anywhere but the
+  candidate's own run dir and the compile caches -> class 8;
+* ``sys.path`` grown by an entry in engine/ (class 7: the engine's files as top-level packages of their own) or
+  in the workspace or outside the code roots (class 3), seen at each import;
+* at every write into the candidate's run dir, the modules the harness's trace writer runs on
+  (:data:`TRACE_WRITER`) compared with their snapshot -> class 5.
 
 After the run (:func:`install`'s returned check): a forbidden module in ``sys.modules`` -> class 2; a candidate
 module not loaded from a ``.py`` file in engine/, or a module from outside the code roots -> class 3; a harness
 function or class attribute (``forgetrain.*``) rebound since the snapshot taken at install, or bound to code
-from engine/ -> class 1.
+from engine/ -> class 1; the same for every other module loaded before the engine (the standard library and
+the installed packages: a library wrapping its own function with ``functools.wraps`` aside) -> class 5; a module
+loaded from engine/ under another name, a ``sys.path`` entry in engine/, an import finder defined in engine code
+-> class 7.
 
 Limits (docs/forge.md, threat model): native code (a C extension, ctypes reached without Python frames), child
 processes started through a library (torch's compile workers) and anything outside this process are beyond an

@@ -1,6 +1,6 @@
 """The forge's sandbox: the escape classes its rejections name, and the checks that run outside the candidate.
 
-A hostile agent has four ways to get a wrong engine sealed (docs/forge.md, threat model). Each rejection names
+A hostile agent has eight ways to get a wrong engine sealed (docs/forge.md, threat model). Each rejection names
 its class (:func:`reason`), defined once here:
 
 1. *candidate code reaching into the judge* -- rebinding the verdict functions, patching the reference engine,
@@ -23,6 +23,17 @@ its class (:func:`reason`), defined once here:
 4. *an edit outside the hashed gate set* -- the hashed set is everything of the repository that the judge or the
    candidate's process imports or reads (:func:`gate_paths`: all of ``forgetrain/``, ``references/``,
    ``conf/``, ``tests/``, plus the interpreter's site hooks); a change aborts the run and names the file.
+5. *replaying the reference* -- a reference run recorded in advance, written out by the candidate's process.
+   Closed by the gate's secret values (:mod:`.secret`), the judge's rechecks of every trace (:mod:`.recheck`) and
+   the run-time guard's snapshot of every module.
+6. *knowing it is being judged* -- an engine honest only under the gate. Closed by importing it under its
+   installed name in a process that looks like a user's run, and by sealing only an installed copy that passed
+   the gate again (:mod:`.seal`).
+7. *the reference in disguise* -- a reference framework's code under other names. Closed by the content check
+   (:mod:`.content`) and by refusing edits of the import path (``forgetrain.guard``, the run-time guard).
+8. *writing outside the workspace* -- poisoned corpora or packages the judge reads. Closed by content hashes in
+   the corpora's manifests (``forgetrain.data.integrity``), the bracket of every round and ladder run
+   (:mod:`.bracket`), and a candidate process that writes only its run dir (:mod:`.isolate`, the guard).
 """
 
 from __future__ import annotations
