@@ -192,147 +192,152 @@ def _verdict_for(policy: Policy, path: str, write: bool) -> int | None:
     return best[1]
 
 
-def install(policy: Policy, fd: int):
-    """Install the audit hook, reporting to ``fd``, and snapshot the harness. Returns ``finish()``: the checks
-    after the run, which also writes the closing ``{"done": true}`` line."""
-    write, exit_, fstat, getframe, get_ident = os.write, os._exit, os.fstat, sys._getframe, threading.get_ident
-    dumps, stat0 = json.dumps, os.fstat(fd)
-    ident = (stat0.st_dev, stat0.st_ino)
-    busy: set = set()
-    here = __file__
-    stdlib = tuple(_real(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
-    purelib = tuple(_real(sysconfig.get_paths()[k]) for k in ("purelib", "platlib"))
+class _Hook:
+    """The audit hook of one candidate process (:func:`install`). The functions it calls are bound when it is
+    made, so that rebinding ``os.write`` or ``json.dumps`` later does not reach it."""
 
-    def emit(obj: dict) -> None:
+    def __init__(self, policy: Policy, fd: int):
+        self.policy, self.fd = policy, fd
+        self._write, self._exit, self._fstat, self._frame = os.write, os._exit, os.fstat, sys._getframe
+        self._ident, self._dumps = threading.get_ident, json.dumps
+        st = os.fstat(fd)
+        self.channel = (st.st_dev, st.st_ino)
+        self.busy: set = set()
+        self.reported: set = set()
+        paths = sysconfig.get_paths()
+        self.stdlib = tuple(_real(paths[k]) for k in ("stdlib", "platstdlib"))
+        self.purelib = tuple(_real(paths[k]) for k in ("purelib", "platlib"))
+        self.snap, self.path0 = _snapshot(), list(sys.path)
+        self.writer = {n: self.snap[n] for n in TRACE_WRITER if n in self.snap}
+
+    def emit(self, obj: dict) -> None:
         try:
-            st = fstat(fd)
-            if (st.st_dev, st.st_ino) != ident:
-                exit_(CHANNEL_LOST)
-            write(fd, (dumps(obj, default=str) + "\n").encode())
+            st = self._fstat(self.fd)
+            if (st.st_dev, st.st_ino) != self.channel:
+                self._exit(CHANNEL_LOST)
+            self._write(self.fd, (self._dumps(obj, default=str) + "\n").encode())
         except OSError:
-            exit_(CHANNEL_LOST)
+            self._exit(CHANNEL_LOST)
 
-    def is_stdlib(fn: str) -> bool:
-        return fn.startswith("<frozen") or (any(_under(fn, r) for r in stdlib)
-                                            and not any(_under(fn, r) for r in purelib))
+    def _is_stdlib(self, fn: str) -> bool:
+        return fn.startswith("<frozen") or (any(_under(fn, r) for r in self.stdlib)
+                                            and not any(_under(fn, r) for r in self.purelib))
 
-    def in_engine(fn: str) -> bool:
-        return bool(fn) and not fn.startswith("<") and _under(_real(fn), policy.engine_dir)
+    def in_engine(self, fn: str) -> bool:
+        return bool(fn) and not fn.startswith("<") and _under(_real(fn), self.policy.engine_dir)
 
-    def direct_caller() -> str:
-        f = getframe(1)
-        while f is not None and f.f_code.co_filename == here:
+    def caller(self, past_stdlib: bool) -> str:
+        """The file of the first frame outside this module (and, with ``past_stdlib``, the standard library)."""
+        f = self._frame(1)
+        while f is not None and (f.f_code.co_filename == __file__ or
+                                 (past_stdlib and self._is_stdlib(f.f_code.co_filename))):
             f = f.f_back
         return f.f_code.co_filename if f is not None else ""
 
-    def first_outside_stdlib() -> str:
-        f = getframe(1)
-        while f is not None and (f.f_code.co_filename == here or is_stdlib(f.f_code.co_filename)):
-            f = f.f_back
-        return f.f_code.co_filename if f is not None else ""
-
-    def violation(cls: int, what: str, block: bool = True) -> None:
-        emit({"violation": {"class": cls, "what": what}})
+    def violation(self, cls: int, what: str, block: bool = True) -> None:
+        self.emit({"violation": {"class": cls, "what": what}})
         if block:
             raise PermissionError(f"forge sandbox: {what}")
 
-    def touch(path, write_: bool, event: str) -> None:
+    def once(self, cls: int, key: str, what: str) -> None:
+        if key not in self.reported:
+            self.reported.add(key)
+            self.violation(cls, what, block=False)
+
+    def touch(self, path, write: bool, event: str) -> None:
         if isinstance(path, int) or path is None:
             return
         p = _real(path)
-        cls = _verdict_for(policy, p, write_)
+        cls = _verdict_for(self.policy, p, write)
         if cls is not None:
-            violation(cls, f"{'wrote' if write_ else 'read'} {p} ({event})")
+            self.violation(cls, f"{'wrote' if write else 'read'} {p} ({event})")
 
-    reported: set = set()
+    def on_import(self, args: tuple) -> None:
+        name = str(args[0])
+        if name.split(".")[0] in self.policy.installed_forbidden:
+            self.violation(2, f"import of {name}")
+        if len(args) > 2 and args[2] is not None and list(args[2]) != self.path0:
+            for cls, p in path_additions(self.policy, self.path0, list(args[2])):
+                # reported once; the import goes on, so what it loads is named too
+                self.once(cls, p, f"sys.path edited: {p} added before importing {name} (a top-level package from "
+                                  f"the workspace's files, under a name of its own)")
 
-    writer: dict = {}  # the snapshot of TRACE_WRITER's modules, filled below
+    def on_exec(self, args: tuple) -> None:
+        fn = getattr(args[0], "co_filename", "") or ""
+        if fn and not fn.startswith("<") and (os.path.isabs(fn) or os.path.exists(fn)):
+            real = _real(fn)
+            for d, root in self.policy.forbidden_dirs:
+                if _under(real, d):
+                    self.violation(2, f"code of {root} executed ({real})")
+            if not any(_under(real, r) for r in self.policy.code_roots):
+                self.violation(3, f"module code from {real}, outside engine/ and the installed packages")
+        if self.in_engine(self.caller(False)):
+            self.violation(2, f"exec() from engine code ({self.caller(False)})")
 
-    def tripwire() -> None:  # modules the harness's trace writer uses, patched while it writes (class 5)
-        for cls, what in rebindings(writer, policy, harness=False):
-            if what not in reported:
-                reported.add(what)
-                violation(cls, what, block=False)
+    def on_open(self, args: tuple) -> None:
+        mode, flags = (args[1] if len(args) > 1 else None), (args[2] if len(args) > 2 else 0)
+        w = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
+        self.touch(args[0], w, "open")
+        if w and self.policy.own_out and isinstance(args[0], (str, bytes, os.PathLike)) and \
+                _under(_real(args[0]), self.policy.own_out):
+            # the modules the harness's trace writer uses, patched while it writes (class 5)
+            for cls, what in rebindings(self.writer, self.policy, harness=False):
+                self.once(cls, what, what)
 
-    def handle(event: str, args: tuple) -> None:
+    def handle(self, event: str, args: tuple) -> None:
         if event == "import":
-            name = str(args[0])
-            if name.split(".")[0] in policy.installed_forbidden:
-                violation(2, f"import of {name}")
-            if len(args) > 2 and args[2] is not None and list(args[2]) != path0:
-                for cls, p in path_additions(policy, path0, list(args[2])):
-                    if p not in reported:  # reported once; the import goes on, so what it loads is named too
-                        reported.add(p)
-                        violation(cls, f"sys.path edited: {p} added before importing {name} (a top-level package "
-                                       f"from the workspace's files, under a name of its own)", block=False)
+            self.on_import(args)
         elif event == "exec":
-            fn = getattr(args[0], "co_filename", "") or ""
-            if fn and not fn.startswith("<") and (os.path.isabs(fn) or os.path.exists(fn)):
-                real = _real(fn)
-                for d, root in policy.forbidden_dirs:
-                    if _under(real, d):
-                        violation(2, f"code of {root} executed ({real})")
-                if not any(_under(real, r) for r in policy.code_roots):
-                    violation(3, f"module code from {real}, outside engine/ and the installed packages")
-            if in_engine(direct_caller()):
-                violation(2, f"exec() from engine code ({direct_caller()})")
+            self.on_exec(args)
         elif event == "compile":
-            if in_engine(direct_caller()):
-                violation(2, f"compile() of source from engine code ({direct_caller()})")
+            if self.in_engine(self.caller(False)):
+                self.violation(2, f"compile() of source from engine code ({self.caller(False)})")
         elif event == "open":
-            mode, flags = (args[1] if len(args) > 1 else None), (args[2] if len(args) > 2 else 0)
-            w = any(c in mode for c in "wax+") if isinstance(mode, str) else bool((flags or 0) & _WRITE_FLAGS)
-            touch(args[0], w, "open")
-            if w and policy.own_out and isinstance(args[0], (str, bytes, os.PathLike)) and \
-                    _under(_real(args[0]), policy.own_out):
-                tripwire()
+            self.on_open(args)
         elif event in _WRITES or event in _READS:
             for i in _WRITES.get(event, ()):
                 if i < len(args):
-                    touch(args[i], True, event)
+                    self.touch(args[i], True, event)
             for i in _READS.get(event, ()):
                 if i < len(args):
-                    touch(args[i], False, event)
-        elif event in _SPAWN:
-            caller = first_outside_stdlib()
-            if in_engine(caller):
-                violation(2, f"a process started from engine code ({event} in {caller}); the guard cannot see "
-                             f"what it imports")
-        elif event in _ENGINE_ONLY:
-            caller = first_outside_stdlib()
-            if in_engine(caller):
-                violation(_ENGINE_ONLY[event], f"{event} from engine code ({caller})")
-        elif event in _ENGINE_DIRECT:
-            caller = direct_caller()
-            if in_engine(caller):
-                violation(_ENGINE_DIRECT[event], f"{event} from engine code ({caller})")
+                    self.touch(args[i], False, event)
+        elif event in _SPAWN or event in _ENGINE_ONLY or event in _ENGINE_DIRECT:
+            where = self.caller(event not in _ENGINE_DIRECT)
+            if not self.in_engine(where):
+                return
+            if event in _SPAWN:
+                self.violation(2, f"a process started from engine code ({event} in {where}); the guard cannot see "
+                                  f"what it imports")
+            self.violation(_ENGINE_ONLY.get(event) or _ENGINE_DIRECT[event], f"{event} from engine code ({where})")
         elif event == "object.__setattr__" and len(args) > 1 and args[1] in ("__code__", "__defaults__",
                                                                              "__kwdefaults__"):
             target = args[0]
             if isinstance(target, types.FunctionType) and _under(_real(target.__code__.co_filename), str(HARNESS_DIR)):
-                violation(1, f"{target.__module__}.{target.__qualname__}.{args[1]} replaced")
+                self.violation(1, f"{target.__module__}.{target.__qualname__}.{args[1]} replaced")
 
-    def hook(event: str, args: tuple) -> None:
-        tid = get_ident()
-        if tid in busy:
+    def __call__(self, event: str, args: tuple) -> None:
+        tid = self._ident()
+        if tid in self.busy:
             return
-        busy.add(tid)
+        self.busy.add(tid)
         try:
-            handle(event, args)
+            self.handle(event, args)
         finally:
-            busy.discard(tid)
+            self.busy.discard(tid)
 
-    snap, path0 = _snapshot(), list(sys.path)
-    writer.update({n: snap[n] for n in TRACE_WRITER if n in snap})
+    def finish(self) -> None:
+        self.busy.add(self._ident())  # the checks below read files (module paths); they are the harness's own
+        for cls, what in end_checks(self.policy, self.snap, self.path0):
+            self.emit({"violation": {"class": cls, "what": what}})
+        self.emit({"done": True})
+
+
+def install(policy: Policy, fd: int):
+    """Install the audit hook, reporting to ``fd``, and snapshot every loaded module. Returns ``finish()``: the
+    checks after the run, which also writes the closing ``{"done": true}`` line."""
+    hook = _Hook(policy, fd)
     sys.addaudithook(hook)
-
-    def finish() -> None:
-        busy.add(get_ident())  # the checks below read files (module paths); they are the harness's own
-        for cls, what in end_checks(policy, snap, path0):
-            emit({"violation": {"class": cls, "what": what}})
-        emit({"done": True})
-
-    return finish
+    return hook.finish
 
 
 # ---------------------------------------------------------------------------------------------------- after the run
