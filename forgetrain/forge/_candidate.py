@@ -1,7 +1,8 @@
 """The candidate's side of a ladder run, in a process of its own that only writes the candidate's trace.
 
 ``python -m forgetrain.forge._candidate --engine-dir E --package P --entry M:C --workspace WS --tier TIER --out DIR
---ladder-dir L --golden-root G [--init F] [--data-dir D] [--shared C ...] --report-fd FD [--judge-cache C]``
+--ladder-dir L --golden-root G [--init F] [--data-dir D] [--shared C ...] [--hide H ...] --report-fd FD
+[--judge-cache C]``
 (started by ``forgetrain.forge._ladder``, never by hand).
 
 The harness (torch, ``forgetrain.*``) is imported first; then the process is made to look like a user's
@@ -47,6 +48,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--init", default=None)
     ap.add_argument("--data-dir", default=None, help="the judge's data window (read-only)")
     ap.add_argument("--shared", action="append", default=[], help="a shared cache the candidate may not touch")
+    ap.add_argument("--hide", action="append", default=[], help="another of the judge's dirs it may not read")
     ap.add_argument("--report-fd", type=int, required=True)
     ap.add_argument("--judge-cache", default=None, help="the harness's bytecode cache (this process gets a view)")
     return ap.parse_args(argv)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = runtime_guard.build_policy(
             Path(a.engine_dir), out, init, Path(a.golden_root), Path(a.workspace), Path(a.ladder_dir), a.data_dir,
             Path(a.judge_cache) if a.judge_cache else None, shared_caches=tuple(a.shared),
-            candidate_package=a.package)
+            candidate_package=a.package, hidden=tuple(a.hide))
         _as_a_users_run(a.package.rpartition(".")[2], a.tier)  # before the guard's snapshot of the modules
         finish = runtime_guard.install(policy, fd)
         engine_cls = load_engine_class(Path(a.engine_dir), package=a.package, entry=a.entry)

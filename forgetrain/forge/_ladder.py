@@ -120,15 +120,22 @@ class _Sides:
         self.spec_file, self.cand, self.ws, self.out, self.golden_root = spec_file, cand, workspace, out, golden_root
         self.py, self.log, self.cache, self.shared = python(), out / "sides.log", cache, shared
         self.data_dir, self.hide = out / "_data", list(hide)
+        self.on_cpu = json.loads(spec_file.read_text())["run_config"]["hardware"]["device"] == "cpu"
 
     def golden(self, *extra: str) -> None:
-        """Run ``forgetrain.forge._golden`` (the reference only). Raises RuntimeError when it fails."""
+        """Run ``forgetrain.forge._golden`` (the reference only): in this process when the run is on the CPU and
+        no timing is asked for (it never runs candidate code, and a process start is saved per ladder run), else
+        in a process of its own (a GPU's memory stays the candidate's). Raises RuntimeError when it fails."""
         import subprocess
 
-        from forgetrain.forge import procs, sandbox
+        from forgetrain.forge import _golden, procs, sandbox
 
-        cmd = [self.py, "-m", "forgetrain.forge._golden", "--spec", str(self.spec_file),
-               "--out", str(self.out / "_golden_runs"), *extra]
+        args = ["--spec", str(self.spec_file), "--out", str(self.out / "_golden_runs"), *extra]
+        if self.on_cpu and not extra:
+            if _golden.main(args) != 0:
+                raise RuntimeError("the reference's side failed; its traceback is in the ladder's log")
+            return
+        cmd = [self.py, "-m", "forgetrain.forge._golden", *args]
         kids = set(procs.children())
         with open(self.log, "ab") as log:
             rc, _, _ = procs.run_group(cmd, cwd=self.out, env=sandbox.sandbox_env(self.cache, writable=True),
@@ -145,6 +152,8 @@ class _Sides:
                "--data-dir", str(self.data_dir), "--judge-cache", str(self.cache)]
         for x in self.shared:
             cmd += ["--shared", x]
+        for x in self.hide:
+            cmd += ["--hide", x]
         return cmd + (["--init", str(init)] if init else [])
 
     def _plan(self, d: Path, init: Path | None, view: Path) -> dict:

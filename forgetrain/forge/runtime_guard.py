@@ -154,20 +154,22 @@ def compile_caches() -> list[str]:
 
 def build_policy(engine_dir: Path, own_out: Path, init: Path | None, golden_root: Path, workspace: Path,
                  ladder_dir: Path, data_dir: str | None = None, judge_cache: Path | None = None, *,
-                 shared_caches: tuple = (), candidate_package: str = CANDIDATE_PACKAGE) -> Policy:
+                 shared_caches: tuple = (), candidate_package: str = CANDIDATE_PACKAGE, hidden: tuple = ()) -> Policy:
     """The policy of one candidate run: ``own_out`` is its output dir, ``init`` the copy of the reference's init
     weights it starts from, ``golden_root`` the run's goldens, ``ladder_dir`` the ladder run's dir (the judge's
     files), ``data_dir`` the data the run reads (the judge's window, read-only), ``judge_cache`` the harness's
     bytecode cache (this process reads its own view, ``sys.pycache_prefix``; the harness's is neither read nor
     written), ``shared_caches`` the project's caches (prepared corpora, the CPU peak: class 8 to touch),
-    ``candidate_package`` the name the engine is imported under."""
+    ``candidate_package`` the name the engine is imported under, ``hidden`` the judge's other dirs (the forge
+    run's: other rounds' runs, the installed copy's; class 1 to read)."""
     forbidden = forbidden_package_dirs(workspace)
     cache = [_real(sys.pycache_prefix)] if sys.pycache_prefix else []  # this process's view of the bytecode cache
     judge = [(_real(judge_cache), 3)] if judge_cache is not None else []
     shared = [(_real(c), 8) for c in shared_caches if c]
     data = [_real(data_dir)] if data_dir else []
     read_allow = [_real(own_out), _real(engine_dir)] + ([_real(init)] if init is not None else []) + cache + data
-    read_deny = [(_real(golden_root), 1), (_real(ladder_dir), 1)] + [(d, 2) for d, _ in forbidden] + judge + shared
+    read_deny = [(_real(golden_root), 1), (_real(ladder_dir), 1)] + [(d, 2) for d, _ in forbidden] + judge + shared \
+        + [(_real(h), 1) for h in hidden]
     write_deny = [(_real(REPO_ROOT / d), 4) for d in GATE_DIRS] + [(_real(workspace), 3), (_real(golden_root), 1),
                                                                       (_real(ladder_dir), 1)] + \
         [(c, 3) for c in cache] + judge + shared + [(d, 8) for d in data]
