@@ -255,3 +255,10 @@ def test_without_isolation_the_candidate_runs_under_the_guard_alone(monkeypatch)
     assert isolate.status().startswith("none (turned off") and "in-process guard alone" in isolate.status()
     assert isolate.wrap(["x", "y"], {"hide": [], "ro": [], "rw": []}) == ["x", "y"]
     assert sandbox.sandbox_env(Path("/tmp/c"), writable=False)["FORGE_ISOLATION"] == "off"
+
+
+@pytest.mark.parametrize("argv", [["{}"], ["not json", "--", "true"], ['["a list"]', "--", "true"]])
+def test_the_isolation_launcher_refuses_bad_input_with_one_line(argv):
+    p = subprocess.run([sys.executable, "-I", "-S", "-B", isolate.__file__, *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1

@@ -8,7 +8,10 @@ at the first that passes; target ``surpass`` tries the short-run tiers (bitwise,
 (docs/forge.md, threat model):
 
 0. the run's secret values are drawn from the spec's ranges (:mod:`forgetrain.forge.secret`; a spec may pin
-   ``drawn``): the judge's spec (``OUT/spec.json``) has them, the candidate's process never reads it;
+   ``drawn``): the judge's spec (``OUT/spec.json``) has them, the candidate's process never reads it. The seal's
+   re-check of the installed copy (a spec with ``drawn`` and ``reuse``) takes the values, goldens and window of
+   the run it re-checks when the operating system isolates the candidate (none of that run's files is visible to
+   it), and draws its own otherwise;
 1. goldens: the reference's runs the tiers need for those values, made by ``forgetrain.forge._golden`` into
    ``OUT/golden`` after it has cut the data window into ``OUT/_data``, while the first candidate process starts;
 2. per tier, the candidate in ``forgetrain.forge._candidate``, isolated by the operating system where it can be
@@ -114,12 +117,12 @@ class _Sides:
     """Starts the golden and candidate processes of one ladder run and reads their reports."""
 
     def __init__(self, spec_file: Path, cand: dict, workspace: Path, out: Path, golden_root: Path, cache: Path,
-                 shared: list[str], hide: list[str] = ()):
+                 shared: list[str], hide: list[str] = (), data_dir: Path | None = None):
         from forgetrain.forge.workspace import python
 
         self.spec_file, self.cand, self.ws, self.out, self.golden_root = spec_file, cand, workspace, out, golden_root
         self.py, self.log, self.cache, self.shared = python(), out / "sides.log", cache, shared
-        self.data_dir, self.hide = out / "_data", list(hide)
+        self.data_dir, self.hide = data_dir or out / "_data", list(hide)
         self.on_cpu = json.loads(spec_file.read_text())["run_config"]["hardware"]["device"] == "cpu"
 
     def golden(self, *extra: str) -> None:
@@ -302,10 +305,15 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
     from forgetrain.train import versions
 
     out.mkdir(parents=True, exist_ok=True)
-    golden_root = (out / "golden").resolve()
-    shutil.rmtree(golden_root, ignore_errors=True)  # this run's goldens only: its values were drawn just now
-    drawn = spec.get("drawn") or secret.draw(spec["secret"])
-    jspec = secret.judge_spec(spec, drawn, (out / "_data").resolve(), golden_root)
+    reuse = spec.get("reuse") if spec.get("drawn") and isolate.available()[0] else None
+    if reuse:  # the seal's re-check of an isolated run: that run's values, goldens and window, which no candidate saw
+        golden_root, data_dir = Path(reuse["golden"]).resolve(), Path(reuse["data"]).resolve()
+    else:
+        golden_root, data_dir = (out / "golden").resolve(), (out / "_data").resolve()
+        shutil.rmtree(golden_root, ignore_errors=True)  # this run's goldens only: its values were drawn just now
+    pinned = spec.get("drawn") if reuse or not spec.get("reuse") else None  # a re-check without isolation: fresh
+    drawn = pinned or secret.draw(spec["secret"])
+    jspec = secret.judge_spec(spec, drawn, data_dir, golden_root)
     rc, vcfg = to_run_config(jspec["run_config"]), fv.VerifyConfig(**jspec["verify"])
     res.update(versions=versions(), gate={"drawn": drawn, "isolation": isolate.status()},
                device={"hardware": rc.hardware.name, "device": rc.hardware.device,
@@ -318,7 +326,7 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
     cache = Path(sys.pycache_prefix) if sys.pycache_prefix else out / "pycache"
     cache.mkdir(parents=True, exist_ok=True)
     sides = _Sides(spec_file, candidate_of(spec, workspace), workspace, out, golden_root, cache, shared_caches(jspec),
-                   spec.get("hide") or [])
+                   spec.get("hide") or [], data_dir)
     made: dict = {}
 
     def goldens() -> None:  # 1. the reference's side: the data window and the goldens of the drawn values

@@ -187,14 +187,21 @@ def wrap(cmd: list[str], plan: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    plan, sep, cmd = argv[0], argv[1], argv[2:]
-    if sep != "--" or not cmd:
-        sys.exit("usage: isolate.py PLAN -- CMD...")
+    """``PLAN -- CMD...``: enter the isolation of ``PLAN`` (JSON), then become ``CMD``. Bad arguments, or an
+    isolation that cannot be entered, end it with one ``error:`` line and exit status 2 (the candidate never
+    runs)."""
+    if len(argv) < 3 or argv[1] != "--":
+        print("error: usage: isolate.py PLAN -- CMD...", file=sys.stderr)
+        sys.exit(2)
     try:
-        enter(json.loads(plan))
-    except OSError as e:
-        sys.exit(f"error: cannot isolate the candidate's process: {e}")
-    os.execv(cmd[0], cmd)
+        plan = json.loads(argv[0])
+        if not isinstance(plan, dict):
+            raise ValueError("not an object")
+        enter(plan)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot isolate the candidate's process: {e}", file=sys.stderr)
+        sys.exit(2)
+    os.execv(argv[2], argv[2:])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ Outputs under ``forge.out_dir`` (default ``outputs/forge/<scenario>/<mode>``)::
     workspace/            the git workspace (see forgetrain.forge.workspace); forge_state.json inside
     ladder_spec.json      what the gates run (the harness's copy; the workspace has a read-only one)
     pycache/              the private bytecode cache of the forge's processes (emptied at every start)
-    rounds/<k>/           BRIEF.md, agent.stdout/.stderr, ladder.log, ladder_result.json, ladder/ (gate runs)
+    rounds/<k>/           BRIEF.md, agent.stdout/.stderr, ladder.log, ladder_result.json, ladder/ (gate runs,
+                          with their drawn values and the goldens made for them), reverify* (the installed copy's)
+    installed/<name>/     the installed copy the seal's re-check judged (without forge.install)
     forge_log.jsonl       one line per round (round 0 is the baseline ladder run on the seeded engine)
     sealed/               engine/ + seal.json once the target is reached
     ../modes.json         per-mode summary (full vs goal_only side by side)
@@ -20,9 +22,12 @@ completed round's commit) and run again.
 Invariant: ``state["last_ladder"]`` always describes the engine at ``state["end_commit"]``.
 
 Each round's checks (docs/forge.md, threat model): the guard before the ladder
-(:func:`forgetrain.forge.sandbox.guard_round`), the hashed gate set and the bytecode cache around the agent,
-the gate set and the workspace around the ladder, and the ladder's own rejection of a candidate that broke the
-run-time guard. A rejected round is reverted; a changed gate set aborts the run.
+(:func:`forgetrain.forge.sandbox.guard_round`: imports, bytecode, the content check), the hashed gate set, the
+bytecode cache and what the judge reads outside the repository (:mod:`forgetrain.forge.bracket`) around the
+agent, the same and the workspace around the ladder, the ladder's own rejection of a candidate that broke the
+run-time guard or whose trace is not the judged run's, and, when the target is reached, the installed copy's
+re-check (:func:`forgetrain.forge.seal.reverify`). A rejected round is reverted; a changed gate set or package
+aborts the run.
 """
 
 from __future__ import annotations
@@ -258,13 +263,15 @@ class _Run:
         return ctx
 
     # ------------------------------------------------------------ one ladder run
-    def ladder(self, k: int, rdir: Path, spec_path: Path | None = None, name: str = "ladder") -> dict:
+    def ladder(self, k: int, rdir: Path, spec_path: Path | None = None, name: str = "ladder",
+               reads: dict | None = None) -> dict:
         """Run the ladder on the workspace engine, then check what the ladder's processes must not have changed:
         the gate set and the spec (``gates_changed``: the run aborts, class 4), the interpreter's packages (the
         same, class 8), the prepared corpora (``rejected``, class 8; the corpus is removed) and the workspace (the
         engine judged must be the engine sealed: ``rejected``, class 3)."""
         gates = self.gate_paths + [self.spec_path]
-        before, tree, reads = wsmod.hash_paths(gates), wsmod.stage_tree(self.ws), bracket.signature(self.shared)
+        before, tree = wsmod.hash_paths(gates), wsmod.stage_tree(self.ws)
+        reads = reads or bracket.signature(self.shared)  # the agent round's closing signature, when it has one
         res = self.ladder_fn(spec_path or self.spec_path, self.ws, rdir / name, self.opts.ladder_timeout_s,
                              rdir / f"{name}.log")
         res["round"] = k
@@ -280,11 +287,11 @@ class _Run:
         atomic_write_json(rdir / f"{name}_result.json", res)
         return res
 
-    def _judged(self, k: int, rdir: Path, rec: dict, base: str) -> tuple[dict | None, list]:
+    def _judged(self, k: int, rdir: Path, rec: dict, base: str, reads: dict | None = None) -> tuple[dict | None, list]:
         """(the ladder's result for round ``k``, the (class, file) the ladder changed that the judge reads: the run
         must abort). The result is None, and the round rejected and reverted to ``base``, when the run-time guard
         rejected the candidate."""
-        res = self.ladder(k, rdir)
+        res = self.ladder(k, rdir, reads=reads)
         if res.get("gates_changed"):
             return None, [tuple(x) for x in res["gates_changed"]]
         rej = res.get("rejected")
@@ -357,7 +364,7 @@ class _Run:
         mfu = (cur.get("metrics") or {}).get("mfu_pct")
         goal = bool(cur.get("target_met")) and (self.opts.target_mfu_pct is None or
                                                  (mfu is not None and mfu >= self.opts.target_mfu_pct))
-        problems = sealmod.reverify(self, k, self.out / "rounds" / str(k)) if goal else []
+        problems = sealmod.reverify(self, k, self.out / "rounds" / str(k), cur) if goal else []
         if problems:  # the seal's condition: the installed engine passes the same gate again
             goal = False
             wsmod.revert_to(self.ws, base)
@@ -436,7 +443,8 @@ class _Run:
         if wsmod.restore_head(self.ws, head_ref, head):  # the branch is the harness's: agent commits are undone
             rec["note"] = "the agent moved the workspace's git HEAD; restored (its edits are judged as usual)"
         # ---- guard
-        data, code = bracket.changes(reads, bracket.signature(self.shared))
+        reads_after = bracket.signature(self.shared)
+        data, code = bracket.changes(reads, reads_after)
         tampered = [(4, x) for x in wsmod.hash_changes(before, wsmod.hash_paths(gates))] + [(8, x) for x in code]
         if tampered:
             self._abort(k, rec, pre, tampered, "during the agent's round", t0)
@@ -464,7 +472,7 @@ class _Run:
         elif guard != "ok":
             rec["ladder"] = "not run (guard)"
         elif changed or s.get("last_ladder") is None:
-            res, tampered = self._judged(k, rdir, rec, pre)
+            res, tampered = self._judged(k, rdir, rec, pre, reads_after)
             if tampered:
                 self._abort(k, rec, pre, tampered, "while the ladder ran", t0)
                 return None

@@ -47,9 +47,11 @@ def _stage(run, where: Path) -> Path:
     return where
 
 
-def reverify(run, k: int, rdir: Path) -> list[tuple[int, str]]:
+def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[int, str]]:
     """Install the workspace's engine at :func:`destination` and run the gate on the installed copy (a ladder run
-    of ``run.ladder_fn`` whose spec names it as the ``candidate``). Returns the problems, as (escape class, what):
+    of ``run.ladder_fn`` whose spec names it as the ``candidate``). ``passed``: the ladder result that met the
+    target; where its candidate was isolated by the operating system, the re-check reuses its drawn values, goldens
+    and window (``spec["reuse"]``), which that candidate never saw. Returns the problems, as (escape class, what):
     empty when the installed copy meets the target. On a failure the destination gets back what it held."""
     from forgetrain.forge.install import install
 
@@ -64,6 +66,10 @@ def reverify(run, k: int, rdir: Path) -> list[tuple[int, str]]:
         return [(7 if "class 7" in str(e) else 6, f"the engine cannot be installed: {e}")]
     spec = dict(run.spec, candidate={"dir": str(dest), "package": f"scenarios.{dest.name}",
                                      "entry": wsmod.workspace_entry(run.ws)})
+    gate = (passed or {}).get("gate") or {}
+    src = run.out / "rounds" / str((passed or {}).get("round")) / "ladder"
+    if gate.get("drawn") and not str(gate.get("isolation", "none")).startswith("none") and (src / "golden").is_dir():
+        spec.update(drawn=gate["drawn"], reuse={"golden": str(src / "golden"), "data": str(src / "_data")})
     spec_path = rdir / "reverify_spec.json"
     atomic_write_json(spec_path, spec)
     res = run.ladder(k, rdir, spec_path=spec_path, name="reverify")
