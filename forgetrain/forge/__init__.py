@@ -89,7 +89,13 @@ def register() -> None:
 
 def check_request(obj: dict) -> None:
     """The forge's own request, checked before Hydra writes anything (``forgetrain.cli``): a ``kernel=NAME`` target
-    must name a kernel of :mod:`forgetrain.kernels`. Raises ForgeTrainError."""
+    must name a kernel of :mod:`forgetrain.kernels`; the gate's secret ranges (``forge.verify_steps``,
+    ``forge.verify_steps_max``, ``forge.gate_window``) must be sound. Raises ForgeTrainError."""
+    f = obj.get("forge") or {}
+    if "gate_window" in f:
+        from forgetrain.forge.secret import declare
+
+        declare(int(f.get("verify_steps") or 1), f.get("verify_steps_max"), float(f["gate_window"]))
     kernel = obj.get("kernel")
     if kernel:
         from forgetrain.kernels import module_of

@@ -6,8 +6,9 @@ environment) can be honest only under the gate. The gate's candidate process the
 the name it is installed under (``scenarios.<name>``) and looks like a user's ``python -m forgetrain.verify``
 run (``forgetrain.forge._candidate``), and before a target reached is accepted, :func:`reverify` installs the
 engine where it will live (``forge.install``, else ``<out>/installed/<name>``), with the same checks as
-``python -m forgetrain.forge.install``, and runs the same gate again, with fresh secret values, in fresh
-processes, on the installed copy: its own files, its own path, imported as a user's config names it. Only an
+``python -m forgetrain.forge.install``, and runs the same gate again, in fresh processes, on the installed copy:
+its own files, its own path, imported as a user's config names it (with the secret values of the run it
+re-checks where the operating system isolated that run, fresh ones otherwise). Only an
 engine whose installed copy passes is sealed (:func:`seal`); otherwise the round is rejected naming class 6,
 and a previous engine at the destination is put back.
 """
