@@ -7,7 +7,11 @@ An AST scan (not a regex) of every ``.py`` file under a directory. Findings, by 
   literal name whose root is forbidden;
 * ``hidden_import``: ``importlib.import_module`` / ``__import__`` with a name built at run time (a concatenation,
   a join, a variable): the scan cannot tell what it loads;
-* ``exec``: ``exec`` / ``eval`` / ``compile`` of code (source text is code the scan never sees).
+* ``exec``: ``exec`` / ``eval`` / ``compile`` of code (source text is code the scan never sees);
+* ``path_edit``: an edit of where imports come from (``sys.path``, ``sys.meta_path``, ``sys.path_hooks``:
+  mutated or assigned; ``site.addsitedir``; a module built from a file by hand, ``spec_from_file_location`` or an
+  ``importlib.machinery`` loader): a package imported from the engine's files under a name of its own escapes the
+  name the engine is judged by (a renamed copy of a reference framework would be imported that way).
 
 The scan is the first line only: what it cannot see (``getattr(builtins, "ex" + "ec")``, a module file written at
 run time) is caught in the candidate's process at run time (:mod:`forgetrain.forge.runtime_guard`). Used by the
@@ -24,6 +28,39 @@ FORBIDDEN = ("megatron", "deepspeed", "transformer_engine", "apex")  # reference
 FORBIDDEN_ROOTS = FORBIDDEN + ("references",)  # ... and the repository's reference engines
 _DYNAMIC_IMPORT = ("import_module", "__import__")
 _CODE_BUILTINS = ("exec", "eval", "compile")
+_IMPORT_STATE = ("path", "meta_path", "path_hooks")  # sys.<x>: where imports come from
+_PATH_CALLS = {("site", "addsitedir"), ("util", "spec_from_file_location"), ("importlib", "spec_from_file_location"),
+               ("machinery", "SourceFileLoader"), ("machinery", "SourcelessFileLoader"),
+               ("machinery", "ExtensionFileLoader"), ("machinery", "PathFinder"), ("machinery", "FileFinder")}
+
+
+def _import_state(node: ast.expr) -> str | None:
+    """``sys.path`` (or ``sys.meta_path``, ``sys.path_hooks``) when ``node`` is one, else None."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and node.attr in _IMPORT_STATE and isinstance(node.value, ast.Name) \
+            and node.value.id == "sys":
+        return f"sys.{node.attr}"
+    return None
+
+
+def _path_edit(node: ast.AST) -> str | None:
+    """What edits the import system's search state in ``node`` (see the module docstring), or None."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        for t in targets:
+            if _import_state(t):
+                return f"assignment to {_import_state(t)}"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if _import_state(node.func.value):
+            return f"{_import_state(node.func.value)}.{node.func.attr}()"
+        owner = node.func.value
+        name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+        if (name, node.func.attr) in _PATH_CALLS:
+            return f"{name}.{node.func.attr}()"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {c for _, c in _PATH_CALLS}:
+        return f"{node.func.id}()"
+    return None
 
 
 @dataclass(frozen=True)
@@ -75,6 +112,11 @@ def findings(src: str, filename: str = "<src>") -> list[Finding]:
                                                                                           "__builtins__")):
                 out.append(Finding(filename, node.lineno, "exec",
                                    f"{fname}() of code the guard never sees (write the code in engine/ instead)"))
+        edit = _path_edit(node)
+        if edit:
+            out.append(Finding(filename, node.lineno, "path_edit",
+                               f"{edit}: an edit of where imports come from (import the engine's modules "
+                               f"relatively, under its own package)"))
         out += [Finding(filename, node.lineno, "import", n) for n in names if _root(n) in FORBIDDEN_ROOTS]
     return sorted(out, key=lambda f: f.line)
 

@@ -364,3 +364,60 @@ def test_token_windows_read_megatrons_bytes_without_importing_megatron(tmp_path)
     w, ds = TokenWindows(out.train_prefix, 16, 1), open_indexed(out.train_prefix)
     flat = ds.bin_reader.read(dtype=ds.index.dtype, count=len(w) * 17, offset=0)
     assert np.array_equal(np.stack([w.window(i) for i in range(len(w))]), flat.reshape(len(w), 17).astype(np.int64))
+
+
+# --------------------------------------------------------------------------------------------- integrity
+def test_prepared_files_carry_hashes_and_a_poisoned_cache_is_refused(tmp_path, monkeypatch):
+    """The manifest lists every file's size and sha256; a cached entry whose train.bin was rewritten (same size,
+    manifest untouched) is refused with one line naming the file, and deleting the entry prepares it again."""
+    from forgetrain.data import integrity
+
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(paragraphs(20)))
+    c = cfg(tmp_path, src)
+    out = prepare(c, progress=False)
+    entry = Path(out.train_prefix).parent
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"train.bin", "train.idx", "valid.bin", "valid.idx", "tokenizer.json"}
+    assert manifest["files"]["train.bin"]["sha256"] == integrity.sha256_file(entry / "train.bin")
+    # an unchanged entry is not hashed again: its state (size, mtime, ctime, inode) is remembered
+    hashed = []
+    monkeypatch.setattr(integrity, "sha256_file", lambda p: hashed.append(p) or "x")
+    integrity._SEEN.clear()
+    assert prepare(c, progress=False) == out and hashed == []
+    monkeypatch.undo()
+    # poison: same size, other tokens; the manifest is left alone
+    data = bytearray((entry / "train.bin").read_bytes())
+    data[:8] = bytes(8)
+    (entry / "train.bin").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"train.bin' was modified after it was prepared \(sha256 .* delete"):
+        prepare(c, progress=False)
+    msg = one_line_error(lambda: prepare(c, progress=False))
+    assert "\n" not in msg and "train.bin" in msg
+    # a manifest stripped of its hashes is refused too
+    (entry / "train.bin").write_bytes(bytes(data))
+    m2 = dict(manifest)
+    m2.pop("files")
+    (entry / "manifest.json").write_text(json.dumps(m2))
+    with pytest.raises(DataError, match="no content hashes"):
+        prepare(c, progress=False)
+    import shutil
+
+    shutil.rmtree(entry)
+    again = prepare(c, progress=False)
+    assert integrity.sha256_file(Path(again.train_prefix + ".bin")) == manifest["files"]["train.bin"]["sha256"]
+
+
+def test_data_path_with_a_manifest_beside_it_is_checked(tmp_path):
+    """A ``data.path`` prefix whose directory holds a manifest listing its files (a prepared entry) is checked
+    against it; a truncated .bin names the size mismatch."""
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(paragraphs(20)))
+    out = prepare(cfg(tmp_path, src), progress=False)
+    from forgetrain.config import DataConfig as DC
+
+    assert prepare(DC(path=out.train_prefix), progress=False).train_tokens == out.train_tokens
+    with open(out.valid_prefix + ".bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(DataError, match="valid.bin' was modified after it was prepared .*bytes, the manifest says"):
+        prepare(DC(path=out.train_prefix), progress=False)

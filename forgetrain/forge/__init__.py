@@ -7,10 +7,13 @@
 Pieces (each its own module): :mod:`.workspace` (seeding, git snapshots, the write guard, loading the candidate
 engine from source), :mod:`.brief` (the per-round brief), :mod:`.knowledge` (the cross-run knowledge base),
 :mod:`.sandbox` (the escape classes, the gate set, the checks outside the candidate), :mod:`.runtime_guard` (the
-audit hook in the candidate's process), :mod:`.procs` (the agent and the ladder as processes), :mod:`._ladder`
-(the gates and the verdict), :mod:`._golden` and :mod:`._candidate` (the reference's and the candidate's
-processes), :mod:`.loop` (the rounds, state, log, seal), :mod:`.install` (copy a sealed engine into
-``scenarios/``).
+audit hook in the candidate's process), :mod:`.isolate` (the operating system's isolation of that process),
+:mod:`.secret` (each gate run's secret values and data window), :mod:`.recheck` (the judge's checks of a trace),
+:mod:`.content` (the content check against the reference frameworks), :mod:`.bracket` (what the judge reads
+outside the repository, around every round), :mod:`.procs` (the agent and the ladder as processes),
+:mod:`._ladder` (the gates and the verdict), :mod:`._golden` and :mod:`._candidate` (the reference's and the
+candidate's processes), :mod:`.loop` (the rounds, state, log), :mod:`.seal` (the installed copy's re-check, the
+seal), :mod:`.install` (copy a sealed engine into ``scenarios/``).
 
 This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point; it
 imports neither torch nor megatron. Neither the loop nor the ladder imports a candidate engine: the candidate
@@ -52,7 +55,9 @@ class ForgeOptions:
     baseline: bool = True  # run the ladder on the seeded engine before round 1 (round 0)
     seed_from: Optional[str] = None  # a sealed engine dir (with seal.json) to start from instead of the template
     kb_path: Optional[str] = None  # knowledge base JSONL; default $FORGETRAIN_CACHE or ~/.cache/forgetrain
-    verify_steps: int = 3  # optimizer steps per bitwise/tolerance gate run
+    verify_steps: int = 3  # optimizer steps per bitwise/tolerance gate run (the least a run draws)
+    verify_steps_max: Optional[int] = None  # the most a gate run draws; None: verify_steps + 2 (forgetrain.forge.secret)
+    gate_window: float = 0.5  # fraction of the corpus's documents in each gate run's secret data window
     curve_steps: int = 200  # steps per run for loss_curve / surpass gates
     timing_steps: int = 10  # surpass: timed steps per engine
     reference: str = "megatron"  # the golden reference package under references/
@@ -84,11 +89,17 @@ def register() -> None:
 
 def check_request(obj: dict) -> None:
     """The forge's own request, checked before Hydra writes anything (``forgetrain.cli``): a ``kernel=NAME`` target
-    must name a kernel of :mod:`forgetrain.kernels`, and the ``forge.*`` / ``agent.*`` options must pass the
-    loop's own checks (the engine loop's or the kernel loop's ``_check``), so a bad option is one line and leaves
-    no Hydra run directory behind. Raises ForgeTrainError."""
+    must name a kernel of :mod:`forgetrain.kernels`; the gate's secret ranges (``forge.verify_steps``,
+    ``forge.verify_steps_max``, ``forge.gate_window``) must be sound; and the ``forge.*`` / ``agent.*`` options
+    must pass the loop's own checks (the engine loop's or the kernel loop's ``_check``), so a bad option is one
+    line and leaves no Hydra run directory behind. Raises ForgeTrainError."""
     from forgetrain.config import to_run_config
 
+    f = obj.get("forge") or {}
+    if "gate_window" in f:
+        from forgetrain.forge.secret import declare
+
+        declare(int(f.get("verify_steps") or 1), f.get("verify_steps_max"), float(f["gate_window"]))
     kernel = obj.get("kernel")
     if kernel:
         from forgetrain.kernels import module_of

@@ -3,7 +3,9 @@
 ``python -m forgetrain.forge._golden --spec SPEC --out DIR`` makes every golden the spec's tiers need and that
 ``golden_root`` does not hold yet (:func:`missing_goldens`): for bitwise and tolerance the reference's short run
 (and, below fp32, its fp32 oracle run), for loss_curve and surpass one run per reference seed
-(``forgetrain.verify.verify`` with ``make_golden``). ``--time-steps N --times F`` times the reference instead
+(``forgetrain.verify.verify`` with ``make_golden``). A judge's spec (one with ``drawn`` values,
+:mod:`forgetrain.forge.secret`) gets its data window cut first, into the dir its ``data.path`` names, and the CPU
+peak the reference's runs measured is written to ``golden_root/peak.json`` for the candidate's config. ``--time-steps N --times F`` times the reference instead
 (the B block of surpass's process-separated A-B-A timing; :func:`forgetrain.bench.time_engine`).
 
 The ladder process starts this before any candidate process, so a golden is never made by a process that also
@@ -74,6 +76,22 @@ def missing_goldens(rc, vcfg, spec: dict) -> list[str]:
     return out
 
 
+def _write_peak(rc, golden_root: Path) -> None:
+    """``golden_root/peak.json``: the CPU matmul peak the reference's runs used (none for a GPU or a datasheet
+    peak), so that the candidate's run divides by the same value without touching the shared peak cache."""
+    if rc.hardware.device != "cpu" or rc.hardware.peak_tflops:
+        return
+    import torch
+
+    from forgetrain.metrics import measured_cpu_peak_flops
+    from forgetrain.trace import atomic_write_json
+
+    if rc.train.threads:
+        torch.set_num_threads(rc.train.threads)
+    atomic_write_json(golden_root / "peak.json", {"peak_tflops": measured_cpu_peak_flops() / 1e12,
+                                                   "label": "measured CPU matmul peak (the reference's side)"})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m forgetrain.forge._golden", description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", required=True)
@@ -99,11 +117,18 @@ def main(argv: list[str] | None = None) -> int:
             ref_cls = registry.load_engine_class("references", vcfg.reference)
             atomic_write_json(Path(a.times), time_engine(rc, ref_cls, a.time_steps))
             return 0
+        if spec.get("drawn") and spec.get("source_data"):
+            from forgetrain.forge.secret import build_window
+
+            window = Path(spec["run_config"]["data"]["path"]).parent
+            if not (window / "manifest.json").is_file():
+                build_window(spec, window)
         for tier in missing_goldens(rc, vcfg, spec):
             print(f"[golden] making the {tier} golden at {golden_location(rc, vcfg, tier)}", file=sys.stderr,
                   flush=True)
             fv.verify(rc, dataclasses.replace(vcfg, make_golden=True), tier, out / tier)
             shutil.rmtree(out / tier, ignore_errors=True)
+        _write_peak(rc, fv.GOLDEN_ROOT)
         return 0
     except Exception:  # noqa: BLE001 - the ladder reports it
         traceback.print_exc()

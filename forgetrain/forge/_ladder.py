@@ -7,23 +7,30 @@ at the first that passes; target ``surpass`` tries the short-run tiers (bitwise,
 ``surpass`` (which carries its own loss_curve verdict). Each engine runs in a process of its own
 (docs/forge.md, threat model):
 
-1. goldens first: the reference's runs that the tiers need, made by ``forgetrain.forge._golden`` when the spec's
-   ``golden_root`` (the forge run's own dir, never the repository's ``references/goldens``) lacks them;
-2. per tier, the candidate in ``forgetrain.forge._candidate``: it loads ``WS/engine`` under the run-time guard and
-   writes only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the
-   result's ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
-3. the verdict, computed here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the
-   judge's code before any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference,
-   candidate).
+0. the run's secret values are drawn from the spec's ranges (:mod:`forgetrain.forge.secret`; a spec may pin
+   ``drawn``): the judge's spec (``OUT/spec.json``) has them, the candidate's process never reads it. The seal's
+   re-check of the installed copy (a spec with ``drawn`` and ``reuse``) takes the values, goldens and window of
+   the run it re-checks when the operating system isolates the candidate (none of that run's files is visible to
+   it), and draws its own otherwise;
+1. goldens: the reference's runs the tiers need for those values, made by ``forgetrain.forge._golden`` into
+   ``OUT/golden`` after it has cut the data window into ``OUT/_data``, while the first candidate process starts;
+2. per tier, the candidate in ``forgetrain.forge._candidate``, isolated by the operating system where it can be
+   (:mod:`forgetrain.forge.isolate`): it loads the engine (``WS/engine``, or the spec's installed ``candidate``)
+   under the run-time guard as ``scenarios.<name>``, gets its run on stdin once the goldens exist, and writes
+   only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the result's
+   ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
+3. the judge's own checks of the trace (:mod:`forgetrain.forge.recheck`: class 5), then the verdict, computed
+   here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the judge's code before
+   any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference, candidate).
 
 The golden sides use the forge run's private bytecode cache (the loop passes it as ``PYTHONPYCACHEPREFIX``; run
 by hand, ``OUT/pycache``); each candidate's process gets a private view of it
 (``forgetrain.forge.sandbox.candidate_cache``), compared file by file once the process and everything it started
 have ended (this process is their subreaper on Linux): a change rejects the candidate naming the file, and the
 harness's cache starts over. Writes the result JSON (``ok``, ``error``, ``rejected``, ``verdicts``,
-``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``, ``wall_s``) and prints
-the verdict table. Exit 0 when the target is met, 1 when not, 3 when the candidate (or a
-gate) failed to run, 4 when the candidate was rejected.
+``strictest_passed``, ``surpassed``, ``target_met``, ``metrics``, ``versions``, ``device``, ``gate``: the drawn
+values, the window, the isolation; ``wall_s``) and prints the verdict table. Exit 0 when the target is met, 1 when
+not, 3 when the candidate (or a gate) failed to run, 4 when the candidate was rejected.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 from forgetrain.equivalence.registry import TIER_ORDER  # the one tier order (a live view of the registry)
 from forgetrain.forge._golden import _is_pair, curve_tier_of, golden_location
@@ -108,20 +116,29 @@ class CandidateFailed(RuntimeError):
 class _Sides:
     """Starts the golden and candidate processes of one ladder run and reads their reports."""
 
-    def __init__(self, spec_file: Path, workspace: Path, out: Path, golden_root: Path, cache: Path):
+    def __init__(self, spec_file: Path, cand: dict, workspace: Path, out: Path, golden_root: Path, cache: Path,
+                 shared: list[str], hide: list[str] = (), data_dir: Path | None = None):
         from forgetrain.forge.workspace import python
 
-        self.spec_file, self.ws, self.out, self.golden_root = spec_file, workspace, out, golden_root
-        self.py, self.log, self.cache = python(), out / "sides.log", cache
+        self.spec_file, self.cand, self.ws, self.out, self.golden_root = spec_file, cand, workspace, out, golden_root
+        self.py, self.log, self.cache, self.shared = python(), out / "sides.log", cache, shared
+        self.data_dir, self.hide = data_dir or out / "_data", list(hide)
+        self.on_cpu = json.loads(spec_file.read_text())["run_config"]["hardware"]["device"] == "cpu"
 
     def golden(self, *extra: str) -> None:
-        """Run ``forgetrain.forge._golden`` (the reference only). Raises RuntimeError when it fails."""
+        """Run ``forgetrain.forge._golden`` (the reference only): in this process when the run is on the CPU and
+        no timing is asked for (it never runs candidate code, and a process start is saved per ladder run), else
+        in a process of its own (a GPU's memory stays the candidate's). Raises RuntimeError when it fails."""
         import subprocess
 
-        from forgetrain.forge import procs, sandbox
+        from forgetrain.forge import _golden, procs, sandbox
 
-        cmd = [self.py, "-m", "forgetrain.forge._golden", "--spec", str(self.spec_file),
-               "--out", str(self.out / "_golden"), *extra]
+        args = ["--spec", str(self.spec_file), "--out", str(self.out / "_golden_runs"), *extra]
+        if self.on_cpu and not extra:
+            if _golden.main(args) != 0:
+                raise RuntimeError("the reference's side failed; its traceback is in the ladder's log")
+            return
+        cmd = [self.py, "-m", "forgetrain.forge._golden", *args]
         kids = set(procs.children())
         with open(self.log, "ab") as log:
             rc, _, _ = procs.run_group(cmd, cwd=self.out, env=sandbox.sandbox_env(self.cache, writable=True),
@@ -130,39 +147,61 @@ class _Sides:
         if rc != 0:
             raise RuntimeError(f"the reference's side failed (rc={rc}); see {self.log}")
 
-    def candidate(self, tier: str, d: Path, init: Path | None, time_steps: int = 0) -> dict | None:
-        """Run the candidate for ``tier`` into ``d``. Returns the ``rejected`` entry when the guard reported a
-        violation (or the goldens or the bytecode cache changed under it), else None. Raises CandidateFailed when
-        it raised or died."""
-        from forgetrain.forge import procs, sandbox
+    def _cmd(self, tier: str, d: Path, init: Path | None) -> list[str]:
+        c = self.cand
+        cmd = [self.py, "-m", "forgetrain.forge._candidate", "--engine-dir", c["dir"], "--package", c["package"],
+               "--entry", c["entry"], "--workspace", str(self.ws), "--tier", tier, "--out", str(d),
+               "--ladder-dir", str(self.out), "--golden-root", str(self.golden_root),
+               "--data-dir", str(self.data_dir), "--judge-cache", str(self.cache)]
+        for x in self.shared:
+            cmd += ["--shared", x]
+        for x in self.hide:
+            cmd += ["--hide", x]
+        return cmd + (["--init", str(init)] if init else [])
+
+    def _plan(self, d: Path, init: Path | None, view: Path) -> dict:
+        """What the candidate's process sees (:mod:`forgetrain.forge.isolate`): none of the judge's files, the
+        reference frameworks, the workspace (but its engine) or the shared caches; writable only ``d``."""
+        from forgetrain.forge.runtime_guard import forbidden_package_dirs
+
+        hide = [str(self.out), str(self.golden_root), str(self.cache), str(self.ws), *self.shared,
+                *(x for x, _ in forbidden_package_dirs(self.ws)), *self.hide]
+        ro = [self.cand["dir"], str(view), str(self.data_dir)] + ([str(init.parent)] if init is not None else [])
+        return {"hide": hide, "ro": ro, "rw": [str(d)]}
+
+    def candidate(self, tier: str, d: Path, init: Path | None, go: Callable[[], dict]) -> dict | None:
+        """Run the candidate for ``tier`` into ``d``; ``go()`` (called once its process has started, while it
+        imports) returns its run (``run_config``, ``verify``, ``time_steps``), making what that run needs first.
+        Returns the ``rejected`` entry when the guard reported a violation (or the goldens or the bytecode cache
+        changed under it), else None. Raises CandidateFailed when it raised or died."""
+        from forgetrain.forge import isolate, procs, sandbox
 
         shutil.rmtree(d, ignore_errors=True)  # only what this run writes is judged
         d.mkdir(parents=True)
-        cmd = [self.py, "-m", "forgetrain.forge._candidate", "--spec", str(self.spec_file), "--workspace",
-               str(self.ws), "--tier", tier, "--out", str(d), "--ladder-dir", str(self.out)] + \
-            (["--init", str(init)] if init else []) + \
-            (["--time-steps", str(time_steps)] if time_steps else [])
+        if init is not None:
+            init.parent.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         view = self.out / "_pycache_candidate"  # the process's private view of the harness's bytecode cache
         view_sig, cache_sig = sandbox.candidate_cache(self.cache, view), sandbox.stat_signature([self.cache])
-        golden, kids = sandbox.stat_signature([self.golden_root]), set(procs.children())
-        rc, _, lines = procs.run_reporting(cmd + ["--judge-cache", str(self.cache)], cwd=d,
-                                           env=sandbox.sandbox_env(view, writable=False), log_path=self.log,
-                                           timeout_s=None)
+        kids, marks = set(procs.children()), {}
+        cmd = isolate.wrap(self._cmd(tier, d, init), self._plan(d, init, view))
+
+        def send() -> bytes:
+            run = go()  # the reference's side may run now, and add bytecode of its own to the harness's cache
+            marks["golden"], marks["cache"] = sandbox.stat_signature([self.golden_root]), \
+                sandbox.stat_signature([self.cache])
+            return (json.dumps(run) + "\n").encode()
+
+        rc, _, lines = procs.run_reporting(cmd, cwd=d, env=sandbox.sandbox_env(view, writable=False),
+                                           log_path=self.log, timeout_s=None, send=send)
         left = procs.kill_leftovers(kids)  # before the checks: nothing the candidate started acts after them
         rep = sandbox.read_report(lines)
         violations = rep["violations"]
         violations += [(3, f"a process the candidate started outlived it ({x}); code the guard never saw could "
                            f"run after its checks (killed)") for x in left]
-        if sandbox.stat_signature([self.golden_root]) != golden:
+        if "golden" in marks and sandbox.stat_signature([self.golden_root]) != marks["golden"]:
             violations.append((1, f"the goldens under {self.golden_root} changed while the candidate ran"))
-        changes = [c.replace(str(view), "<candidate's cache>", 1) for c in
-                   sandbox.cache_changes(view_sig, sandbox.stat_signature([view]))] + \
-            [c.replace(str(self.cache), "<harness's cache>", 1) for c in
-             sandbox.cache_changes(cache_sig, sandbox.stat_signature([self.cache]))]
-        shutil.rmtree(view, ignore_errors=True)
-        if changes:  # nothing of it may be loaded by a later process: the harness's cache starts over
-            sandbox.fresh_cache(self.cache)
-            violations += [(3, f"bytecode the candidate's process wrote: {c}") for c in changes[:20]]
+        violations += self._cache_violations(view, view_sig, cache_sig, marks.get("cache"))
         if violations:
             return sandbox.rejection(violations, f"{tier} candidate run")
         if rep["error"]:
@@ -171,6 +210,24 @@ class _Sides:
             tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
             raise CandidateFailed(f"the candidate's process died (rc={rc}) before its checks finished", tail)
         return None
+
+    def _cache_violations(self, view: Path, view_sig: dict, before: dict, mid: dict | None) -> list:
+        """The bytecode the candidate's process wrote: any change to its view, to a file the harness's cache held
+        before it started, or to the harness's cache after the reference's side finished (that side adds the
+        bytecode of what it imports while the candidate starts). A change empties the harness's cache."""
+        from forgetrain.forge import sandbox
+
+        now = sandbox.stat_signature([self.cache])
+        early = [c for c in sandbox.cache_changes(before, mid if mid is not None else now) if not c.startswith("added ")]
+        late = sandbox.cache_changes(mid, now) if mid is not None else []
+        changes = [c.replace(str(view), "<candidate's cache>", 1) for c in
+                   sandbox.cache_changes(view_sig, sandbox.stat_signature([view]))] + \
+            [c.replace(str(self.cache), "<harness's cache>", 1) for c in early + late]
+        shutil.rmtree(view, ignore_errors=True)
+        if not changes:
+            return []
+        sandbox.fresh_cache(self.cache)  # nothing of it may be loaded by a later process: it starts over
+        return [(3, f"bytecode the candidate's process wrote: {c}") for c in changes[:20]]
 
 
 def _link_or_copy(src: Path, dst: Path) -> Path:
@@ -185,69 +242,46 @@ def _link_or_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def candidate_of(spec: dict, workspace: Path) -> dict:
+    """Which engine the ladder judges and under which name: the spec's ``candidate`` (an installed copy, the
+    seal's re-check), else ``workspace/engine`` as ``scenarios.<package>`` (the name it is installed under,
+    ``spec["package"]``; default ``engine``'s template name from ``scenario.engine``)."""
+    from forgetrain.forge.workspace import ENGINE_DIR, workspace_entry
+
+    if spec.get("candidate"):
+        c = spec["candidate"]
+        return {"dir": str(Path(c["dir"]).resolve()), "package": c["package"], "entry": c["entry"]}
+    pkg = spec.get("package") or spec["run_config"]["scenario"]["name"]
+    return {"dir": str((workspace / ENGINE_DIR).resolve()), "package": f"scenarios.{pkg}",
+            "entry": workspace_entry(workspace)}
+
+
+def shared_caches(spec: dict) -> list[str]:
+    """The project's caches a candidate may not touch: the prepared corpora and the CPU peak's dir."""
+    from forgetrain.data.prepare import default_cache_dir
+    from forgetrain.metrics import _cache_dir
+
+    data = spec.get("source_data") or spec["run_config"]["data"]
+    return sorted({os.path.abspath(os.path.expanduser(data.get("cache_dir") or default_cache_dir())),
+                   os.path.abspath(str(_cache_dir()))})
+
+
+def _replayed(tier: str, cand: Path, refs: list[Path], steps: int) -> dict | None:
+    """The ``rejected`` entry (class 5) when the candidate's trace is not a record of the judge's run."""
+    from forgetrain.forge import recheck, sandbox
+
+    problems = recheck.trace_problems(cand, refs[0], steps)
+    return sandbox.rejection([(5, p) for p in problems], f"{tier} candidate trace") if problems else None
+
+
 def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
-    """Run the gates for the candidate in ``workspace/engine``; returns the result dict (never raises for a
-    broken or rejected candidate: that is in the result)."""
+    """Run the gates for the candidate (``workspace/engine``, or the spec's installed ``candidate``); returns the
+    result dict (never raises for a broken or rejected candidate: that is in the result)."""
     t0 = time.perf_counter()
     res: dict = {"ok": False, "error": None, "rejected": None, "verdicts": [], "strictest_passed": None,
                  "surpassed": None, "target_met": False, "metrics": {}, "tiers_tried": []}
     try:
-        import forgetrain.equivalence  # noqa: F401 - the judge's code, loaded before any candidate runs
-        import forgetrain.verify as fv
-        from forgetrain.config import to_run_config
-        from forgetrain.errors import ConfigError
-        from forgetrain.forge._golden import missing_goldens
-        from forgetrain.trace import atomic_write_json
-        from forgetrain.train import versions
-
-        rc, vcfg = to_run_config(spec["run_config"]), fv.VerifyConfig(**spec["verify"])
-        res["versions"] = versions()
-        res["device"] = {"hardware": rc.hardware.name, "device": rc.hardware.device,
-                         "peak_source": rc.hardware.peak_source}
-        if not spec.get("golden_root"):
-            raise ConfigError("the ladder spec names no golden_root")
-        golden_root = Path(spec["golden_root"]).resolve()
-        fv.GOLDEN_ROOT = golden_root  # this process only: goldens live in the forge run's dir
-        out.mkdir(parents=True, exist_ok=True)
-        spec_file = out / "spec.json"
-        atomic_write_json(spec_file, dict(spec, golden_root=str(golden_root)))
-        # the forge run's private bytecode cache when the loop started this process; else (the agent's own gate
-        # runs, which the loop does not trust anyway) one kept under OUT between runs
-        cache = Path(sys.pycache_prefix) if sys.pycache_prefix else out / "pycache"
-        cache.mkdir(parents=True, exist_ok=True)
-        sides = _Sides(spec_file, workspace, out, golden_root, cache)
-        if missing_goldens(rc, vcfg, spec):  # 1. goldens first, by a process that runs only the reference
-            sides.golden()
-            if missing_goldens(rc, vcfg, spec):
-                raise RuntimeError(f"the reference's side ran but left goldens missing: {missing_goldens(rc, vcfg, spec)}")
-        target = spec["target_tier"]
-        # a speed target's own run judges its curve tier too: the ladder leaves both to it
-        tiers = [t for t in spec["tiers"] if _is_pair(t)] if _is_speed(target) else list(spec["tiers"])
-        last_eq, golden_used = None, None
-        for tier in tiers:
-            res["tiers_tried"].append(tier)
-            gdir = golden_location(rc, vcfg, tier)
-            short = _is_pair(tier)
-            init = _link_or_copy(gdir / "init.safetensors", out / tier / "init.safetensors") if short else None
-            res["rejected"] = sides.candidate(tier, out / tier / "candidate", init)  # 2. the candidate
-            if res["rejected"]:
-                break
-            cand = out / tier / "candidate" / "trace"  # 3. the verdict, from traces alone
-            refs = [gdir / "trace"] if short else fv._curve_golden_traces(gdir, vcfg)
-            oracle = gdir / "oracle_fp32" / "trace"
-            verdicts = fv.judge(tier, fv.tier_config(tier, vcfg.reference), refs, cand, out / tier,
-                                oracle=oracle if oracle.is_dir() else None)
-            res["verdicts"] += [v.to_dict() for v in verdicts]
-            last_eq, golden_used = tier, (gdir if short else None)
-            if verdicts[-1].passed:
-                res["strictest_passed"] = tier
-                break
-        if _is_speed(target) and not res["rejected"]:
-            res["tiers_tried"].append(target)
-            _surpass(res, sides, rc, vcfg, out, target)
-        if last_eq is not None and not res["rejected"]:
-            res["metrics"].update(_metrics(out, last_eq, golden_used))
-        res["target_met"] = not res["rejected"] and target_met(target, res["strictest_passed"], res["surpassed"])
+        _run_tiers(spec, workspace, out, res)
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - a broken candidate is a result, not a crash of the gate
         if isinstance(e, KeyboardInterrupt):
@@ -260,7 +294,95 @@ def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
     return res
 
 
-def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str) -> None:
+def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
+    """The body of :func:`run_ladder`: draw the run, make its goldens, run and judge the candidate tier by tier."""
+    import forgetrain.equivalence  # noqa: F401 - the judge's code, loaded before any candidate runs
+    import forgetrain.verify as fv
+    from forgetrain.config import to_run_config
+    from forgetrain.forge import isolate, secret
+    from forgetrain.forge._golden import missing_goldens
+    from forgetrain.trace import atomic_write_json
+    from forgetrain.train import versions
+
+    out.mkdir(parents=True, exist_ok=True)
+    reuse = spec.get("reuse") if spec.get("drawn") and isolate.available()[0] else None
+    if reuse:  # the seal's re-check of an isolated run: that run's values, goldens and window, which no candidate saw
+        golden_root, data_dir = Path(reuse["golden"]).resolve(), Path(reuse["data"]).resolve()
+    else:
+        golden_root, data_dir = (out / "golden").resolve(), (out / "_data").resolve()
+        shutil.rmtree(golden_root, ignore_errors=True)  # this run's goldens only: its values were drawn just now
+    pinned = spec.get("drawn") if reuse or not spec.get("reuse") else None  # a re-check without isolation: fresh
+    drawn = pinned or secret.draw(spec["secret"])
+    jspec = secret.judge_spec(spec, drawn, data_dir, golden_root)
+    rc, vcfg = to_run_config(jspec["run_config"]), fv.VerifyConfig(**jspec["verify"])
+    res.update(versions=versions(), gate={"drawn": drawn, "isolation": isolate.status()},
+               device={"hardware": rc.hardware.name, "device": rc.hardware.device,
+                       "peak_source": rc.hardware.peak_source})
+    fv.GOLDEN_ROOT = golden_root  # this process only: goldens live in the ladder run's dir
+    spec_file = out / "spec.json"
+    atomic_write_json(spec_file, jspec)
+    # the forge run's private bytecode cache when the loop started this process; else (the agent's own gate
+    # runs, which the loop does not trust anyway) one kept under OUT between runs
+    cache = Path(sys.pycache_prefix) if sys.pycache_prefix else out / "pycache"
+    cache.mkdir(parents=True, exist_ok=True)
+    sides = _Sides(spec_file, candidate_of(spec, workspace), workspace, out, golden_root, cache, shared_caches(jspec),
+                   spec.get("hide") or [], data_dir)
+    made: dict = {}
+
+    def goldens() -> None:  # 1. the reference's side: the data window and the goldens of the drawn values
+        if not made:
+            sides.golden()
+            if missing_goldens(rc, vcfg, jspec):
+                raise RuntimeError(f"the reference's side ran but left goldens missing: "
+                                   f"{missing_goldens(rc, vcfg, jspec)}")
+            made["peak"] = json.loads((golden_root / "peak.json").read_text()) \
+                if (golden_root / "peak.json").is_file() else None
+            made["window"] = json.loads((sides.data_dir / "manifest.json").read_text()).get("window")
+            res["gate"]["window"] = made["window"]
+
+    def run_for(tier: str, init: Path | None, gdir: Path | None, time_steps: int = 0):
+        def go() -> dict:
+            goldens()
+            if init is not None:
+                _link_or_copy(gdir / "init.safetensors", init)
+            return {"run_config": secret.candidate_config(jspec, made.get("peak")), "verify": jspec["verify"],
+                    "time_steps": time_steps}
+        return go
+
+    target = jspec["target_tier"]
+    # a speed target's own run judges its curve tier too: the ladder leaves both to it
+    tiers = [t for t in jspec["tiers"] if _is_pair(t)] if _is_speed(target) else list(jspec["tiers"])
+    last_eq, golden_used = None, None
+    for tier in tiers:
+        res["tiers_tried"].append(tier)
+        gdir = golden_location(rc, vcfg, tier)
+        short = _is_pair(tier)
+        init = out / tier / "init" / "init.safetensors" if short else None
+        res["rejected"] = sides.candidate(tier, out / tier / "candidate", init, run_for(tier, init, gdir))
+        if res["rejected"]:
+            break
+        cand = out / tier / "candidate" / "trace"  # 3. the verdict, from traces alone
+        refs = [gdir / "trace"] if short else fv._curve_golden_traces(gdir, vcfg)
+        res["rejected"] = _replayed(tier, cand, refs, vcfg.steps if short else vcfg.curve_steps)
+        if res["rejected"]:
+            break
+        oracle = gdir / "oracle_fp32" / "trace"
+        verdicts = fv.judge(tier, fv.tier_config(tier, vcfg.reference), refs, cand, out / tier,
+                            oracle=oracle if oracle.is_dir() else None)
+        res["verdicts"] += [v.to_dict() for v in verdicts]
+        last_eq, golden_used = tier, (gdir if short else None)
+        if verdicts[-1].passed:
+            res["strictest_passed"] = tier
+            break
+    if _is_speed(target) and not res["rejected"]:
+        res["tiers_tried"].append(target)
+        _surpass(res, sides, rc, vcfg, out, target, run_for)
+    if last_eq is not None and not res["rejected"]:
+        res["metrics"].update(_metrics(out, last_eq, golden_used))
+    res["target_met"] = not res["rejected"] and target_met(target, res["strictest_passed"], res["surpassed"])
+
+
+def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for) -> None:
     """The gate of the speed tier ``speed`` (surpass): the candidate's run of the curve tier it rests on, then A-B-A
     timing (candidate, reference, candidate), each block in a process of its own; the verdicts come from the
     traces and the step times."""
@@ -269,19 +391,24 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str) -> None:
     curve = curve_tier_of(speed)
     gdir = golden_location(rc, vcfg, curve)
     d = out / speed
-    res["rejected"] = sides.candidate(speed, d / "candidate", None)
+    res["rejected"] = sides.candidate(speed, d / "candidate", None, run_for(speed, None, gdir))
+    if res["rejected"]:
+        return
+    refs = fv._curve_golden_traces(gdir, vcfg)
+    res["rejected"] = _replayed(speed, d / "candidate" / "trace", refs, vcfg.curve_steps)
     if res["rejected"]:
         return
     t_cand = []
     for block in ("a1", "a2"):
         if block == "a2":
             sides.golden("--time-steps", str(vcfg.timing_steps), "--times", str(d / "reference_times.json"))
-        res["rejected"] = sides.candidate(speed, d / f"timing_{block}", None, time_steps=vcfg.timing_steps)
+        res["rejected"] = sides.candidate(speed, d / f"timing_{block}", None,
+                                          run_for(speed, None, gdir, time_steps=vcfg.timing_steps))
         if res["rejected"]:
             return
         t_cand += json.loads((d / f"timing_{block}" / "times.json").read_text())
     t_ref = json.loads((d / "reference_times.json").read_text())
-    verdicts = fv.judge(speed, fv.tier_config(speed, vcfg.reference), fv._curve_golden_traces(gdir, vcfg),
+    verdicts = fv.judge(speed, fv.tier_config(speed, vcfg.reference), refs,
                         d / "candidate" / "trace", d, times=(t_ref, t_cand))
     res["verdicts"] += [v.to_dict() for v in verdicts]
     lc = next((v for v in verdicts if v.tier == curve), None)

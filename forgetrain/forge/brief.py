@@ -68,6 +68,14 @@ def _constraints(ctx: dict) -> list[str]:
         "the rest at run time. Either way the round is rejected and reverted.",
         "- Only the `.py` source in `engine/` runs: bytecode or native modules in the workspace reject the round, "
         "and the engine may import only from `engine/`, `forgetrain.*` and installed packages.",
+        "- No reference framework's code under any other name either: a content check compares every function and "
+        "module of `engine/` with megatron-core's, deepspeed's and `references/`, renamed or not; and no edits of "
+        "`sys.path` or the import machinery.",
+        "- The gate's seed, step count and data window are drawn after your round; the golden is made for them then. "
+        "Nothing recorded in advance matches a gate run. Write nothing outside this directory: the prepared "
+        "corpora and the installed packages are checked around every round.",
+        "- An engine is sealed only when its installed copy passes the gate again, run as a user's run: it must "
+        "compute the same wherever it is installed and however it is run.",
         "- The engine runs in a process of its own and is judged from its trace: it must leave the harness alone "
         "(no rebinding `forgetrain.*`, no reading the goldens, no writing outside its run directory). Any attempt "
         "rejects the round.",

@@ -1,7 +1,8 @@
 """Install a sealed engine into ``scenarios/``: ``python -m forgetrain.forge.install SEAL_DIR scenarios/NAME``.
 
 ``SEAL_DIR`` is a forge run's ``sealed/`` directory (``engine/`` + ``seal.json``). The engine's source hash is
-checked against ``seal.json`` first (a modified sealed engine is refused), the import guard is run on it, and its
+checked against ``seal.json`` first (a modified sealed engine is refused), the import guard and the content check
+(:mod:`forgetrain.forge.content`: no reference framework's code under any name) are run on it, and its
 files are copied into the destination with ``seal.json`` beside them as ``SEAL.json`` (provenance). An existing
 engine at the destination is replaced only with ``--force``. Exit 0 on success, 2 on bad input.
 """
@@ -21,7 +22,8 @@ from forgetrain.guard import scan_tree
 
 def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path:
     """Copy the sealed engine in ``seal_dir`` into ``dest``; returns ``dest``. Raises ConfigError on a missing or
-    modified seal, forbidden imports, or an existing different engine at ``dest`` without ``force``."""
+    modified seal, forbidden imports, a reference framework's code in it, or an existing different engine at
+    ``dest`` without ``force``."""
     seal_dir, dest = Path(seal_dir).resolve(), Path(dest).resolve()
     seal_file, eng = seal_dir / "seal.json", seal_dir / ENGINE_DIR
     if not seal_file.exists() or not (eng / "engine.py").exists():
@@ -33,6 +35,11 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path
     hits = scan_tree(eng)
     if hits:
         raise ConfigError(f"sealed engine imports a reference framework: {hits[0]}")
+    from forgetrain.forge import content
+
+    shared = content.scan(eng, content.index_for())
+    if shared:
+        raise ConfigError(f"sealed engine contains a reference framework's code (escape class 7): {shared[0]}")
     if (dest / "engine.py").exists():
         current = {k: v for k, v in file_hashes(dest).items() if k != "SEAL.json"}
         if current == file_hashes(eng):

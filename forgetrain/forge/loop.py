@@ -6,9 +6,10 @@ Outputs under ``forge.out_dir`` (default ``outputs/forge/<scenario>/<mode>``)::
 
     workspace/            the git workspace (see forgetrain.forge.workspace); forge_state.json inside
     ladder_spec.json      what the gates run (the harness's copy; the workspace has a read-only one)
-    golden/               the reference's short-run traces, stored by the first ladder run and reused
     pycache/              the private bytecode cache of the forge's processes (emptied at every start)
-    rounds/<k>/           BRIEF.md, agent.stdout/.stderr, ladder.log, ladder_result.json, ladder/ (gate runs)
+    rounds/<k>/           BRIEF.md, agent.stdout/.stderr, ladder.log, ladder_result.json, ladder/ (gate runs,
+                          with their drawn values and the goldens made for them), reverify* (the installed copy's)
+    installed/<name>/     the installed copy the seal's re-check judged (without forge.install)
     forge_log.jsonl       one line per round (round 0 is the baseline ladder run on the seeded engine)
     sealed/               engine/ + seal.json once the target is reached
     ../modes.json         per-mode summary (full vs goal_only side by side)
@@ -21,9 +22,12 @@ completed round's commit) and run again.
 Invariant: ``state["last_ladder"]`` always describes the engine at ``state["end_commit"]``.
 
 Each round's checks (docs/forge.md, threat model): the guard before the ladder
-(:func:`forgetrain.forge.sandbox.guard_round`), the hashed gate set and the bytecode cache around the agent,
-the gate set and the workspace around the ladder, and the ladder's own rejection of a candidate that broke the
-run-time guard. A rejected round is reverted; a changed gate set aborts the run.
+(:func:`forgetrain.forge.sandbox.guard_round`: imports, bytecode, the content check), the hashed gate set, the
+bytecode cache and what the judge reads outside the repository (:mod:`forgetrain.forge.bracket`) around the
+agent, the same and the workspace around the ladder, the ladder's own rejection of a candidate that broke the
+run-time guard or whose trace is not the judged run's, and, when the target is reached, the installed copy's
+re-check (:func:`forgetrain.forge.seal.reverify`). A rejected round is reverted; a changed gate set or package
+aborts the run.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -42,7 +47,8 @@ from forgetrain.config import RunConfig, validate
 from forgetrain.errors import ConfigError
 from forgetrain.forge import MODES, AgentConfig, ForgeOptions
 from forgetrain.forge import brief as briefmod
-from forgetrain.forge import sandbox
+from forgetrain.forge import bracket, sandbox
+from forgetrain.forge import seal as sealmod
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge._ladder import TIER_ORDER, tiers_to_try
 from forgetrain.forge.knowledge import KnowledgeBase
@@ -86,11 +92,14 @@ def _fmt_s(x) -> str:
     return "-" if x is None else f"{x:.1f}s"
 
 
-def _shape(rc: RunConfig, steps: int) -> str:
+def _shape(rc: RunConfig, opts: ForgeOptions) -> str:
     m, t = rc.model, rc.train
+    lo, hi = opts.verify_steps, opts.verify_steps_max or opts.verify_steps + 2
     return (f"model {m.name} (hidden {m.hidden_size}, {m.num_layers} layers, seq {m.seq_length}, vocab "
             f"{m.vocab_size}), micro-batch {t.micro_batch_size}, global batch {t.global_batch_size}, "
-            f"{steps} steps, {t.precision} on {rc.hardware.device}")
+            f"{t.precision} on {rc.hardware.device}; each gate run draws its own seed, step count ({lo}-{hi} steps) "
+            f"and data window ({opts.gate_window:.0%} of the corpus's documents, starting anywhere) after your "
+            f"round, and the judge makes the golden for them: no recorded reference run can match one")
 
 
 def _warmup(rc: RunConfig, opts: ForgeOptions) -> int:
@@ -98,9 +107,23 @@ def _warmup(rc: RunConfig, opts: ForgeOptions) -> int:
     return max(0, min(rc.train.lr_warmup_steps, opts.verify_steps - 1))
 
 
-def build_spec(rc: RunConfig, opts: ForgeOptions, golden_root: Path) -> dict:
+def install_package(rc: RunConfig, opts: ForgeOptions) -> str:
+    """The package name the engine is installed under: ``forge.install``'s last component, else the package of
+    the scenario's own engine (``scenarios.<package>``). The gates import the candidate under it."""
+    if opts.install:
+        return Path(opts.install).name
+    from forgetrain.registry import engine_spec
+
+    return wsmod.engine_template(rc.scenario.engine or engine_spec(rc.scenario.name))[0]
+
+
+def build_spec(rc: RunConfig, opts: ForgeOptions, hide: list[str] | None = None) -> dict:
     """The gates' input: the run config (train.steps = forge.verify_steps, warmup clamped to it), the tiers to
-    try, the verify options and where goldens go."""
+    try, the verify options, the ranges the ladder draws each run's secret values from
+    (:func:`forgetrain.forge.secret.declare`), the package name the candidate is imported under and the paths its
+    process must not see (``hide``: the forge run's dir). Raises ConfigError on bad ranges."""
+    from forgetrain.forge import secret
+
     c = dataclasses.replace(rc, train=dataclasses.replace(
         rc.train, steps=opts.verify_steps, lr_warmup_steps=_warmup(rc, opts),
         lr_decay_steps=None, out_dir=None, resume=False, stop_after=None, sample_tokens=0))
@@ -108,7 +131,8 @@ def build_spec(rc: RunConfig, opts: ForgeOptions, golden_root: Path) -> dict:
             "tiers": tiers_to_try(opts.ladder_from, opts.target_tier),
             "verify": {"reference": opts.reference, "steps": opts.verify_steps, "curve_steps": opts.curve_steps,
                        "timing_steps": opts.timing_steps, "digests": True},
-            "golden_root": str(golden_root)}
+            "secret": secret.declare(opts.verify_steps, opts.verify_steps_max, opts.gate_window),
+            "package": install_package(rc, opts), "hide": [str(h) for h in hide or []]}
 
 
 def _check(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig) -> None:
@@ -135,6 +159,15 @@ def _check(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig) -> None:
         raise ConfigError("the forge workspace needs git on PATH")
 
 
+def _data_rejection(data: dict[str, list[str]], when: str) -> dict:
+    """The rejection (class 8) of a round during which prepared corpora changed; the corpora are removed (each is
+    prepared again from its source on next use, so no later run trains on what was written)."""
+    bracket.discard(list(data))
+    return {"class": 8, "guard": sandbox.GUARD_LABELS[8], "problems": [
+        sandbox.reason(8, f"{row} {when}: a prepared corpus the judge reads was written (removed, prepared again "
+                          f"from its source on next use)") for rows in data.values() for row in rows[:10]]}
+
+
 # ---------------------------------------------------------------------------------------------------- the loop
 
 class _Run:
@@ -149,12 +182,14 @@ class _Run:
         self.state_path = self.ws / "forge_state.json"
         self.log_path = self.out / "forge_log.jsonl"
         self.spec_path = self.out / "ladder_spec.json"
-        self.golden = self.out / "golden"
         self.pycache = self.out / "pycache"  # the run's private bytecode cache (forgetrain.forge.sandbox)
         self.ladder_fn = ladder_fn or functools.partial(subprocess_ladder, cache_dir=self.pycache)
         self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else sandbox.gate_paths())]
         self.kb = KnowledgeBase(opts.kb_path)
-        self.spec = build_spec(rc, opts, self.golden)
+        from forgetrain.data.prepare import default_cache_dir
+
+        self.shared = [os.path.abspath(os.path.expanduser(rc.data.cache_dir or default_cache_dir()))]
+        self.spec = build_spec(rc, opts, [str(self.out)])
         self.state: dict = {}
         self.records: list[dict] = []
 
@@ -167,8 +202,7 @@ class _Run:
         if exists and self.opts.resume:
             self.state = json.loads(self.state_path.read_text())
             old = json.loads(self.spec_path.read_text()) if self.spec_path.exists() else None
-            if old is not None and {k: v for k, v in old.items() if k != "golden_root"} != \
-                    {k: v for k, v in self.spec.items() if k != "golden_root"}:
+            if old is not None and old != self.spec:
                 diff = sorted(k for k in set(old) | set(self.spec) if old.get(k) != self.spec.get(k))
                 raise ConfigError(f"the gate config differs from the run being resumed at {self.out} ({', '.join(diff)});"
                                   f" resume with the same overrides, or use forge.overwrite=true")
@@ -181,15 +215,14 @@ class _Run:
             return
         if self.opts.resume:
             _say(f"[forge] nothing to resume at {self.out}; starting a new run")
-        for name in ("workspace", "rounds", "sealed", "golden"):
+        for name in ("workspace", "rounds", "sealed", "golden", "installed"):
             shutil.rmtree(self.out / name, ignore_errors=True)
         for name in ("forge_log.jsonl", "ladder_spec.json"):
             (self.out / name).unlink(missing_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.spec_path, self.spec)
-        agent_spec = dict(self.spec, golden_root=str(self.ws / ".gate" / "golden"))
         tmp_spec = self.out / ".agent_spec.json"
-        atomic_write_json(tmp_spec, agent_spec)
+        atomic_write_json(tmp_spec, self.spec)
         info = wsmod.seed(self.ws, self.scenario, self.opts.seed_from, self.opts.reference, tmp_spec,
                           engine=self.rc.scenario.engine)
         tmp_spec.unlink()
@@ -220,7 +253,7 @@ class _Run:
         ctx = {"scenario": self.scenario, "description": self.rc.scenario.description, "mode": o.mode, "round": k,
                "max_rounds": o.max_rounds, "target_tier": o.target_tier, "target_mfu_pct": o.target_mfu_pct,
                "tiers": self.spec["tiers"], "reference": o.reference, "gate_command": gate_cmd,
-               "shape": _shape(self.rc, o.verify_steps), "agent_timeout_s": self.agent.timeout_s}
+               "shape": _shape(self.rc, o), "agent_timeout_s": self.agent.timeout_s}
         if o.mode == "full":
             ctx["history"] = self.records
             ctx["last_ladder"] = s.get("last_ladder")
@@ -230,28 +263,37 @@ class _Run:
         return ctx
 
     # ------------------------------------------------------------ one ladder run
-    def ladder(self, k: int, rdir: Path) -> dict:
+    def ladder(self, k: int, rdir: Path, spec_path: Path | None = None, name: str = "ladder",
+               reads: dict | None = None) -> dict:
         """Run the ladder on the workspace engine, then check what the ladder's processes must not have changed:
-        the gate set and the spec (``gates_changed``: the run aborts, class 4) and the workspace (the engine
-        judged must be the engine sealed: ``rejected``, class 3)."""
+        the gate set and the spec (``gates_changed``: the run aborts, class 4), the interpreter's packages (the
+        same, class 8), the prepared corpora (``rejected``, class 8; the corpus is removed) and the workspace (the
+        engine judged must be the engine sealed: ``rejected``, class 3)."""
         gates = self.gate_paths + [self.spec_path]
         before, tree = wsmod.hash_paths(gates), wsmod.stage_tree(self.ws)
-        res = self.ladder_fn(self.spec_path, self.ws, rdir / "ladder", self.opts.ladder_timeout_s, rdir / "ladder.log")
+        reads = reads or bracket.signature(self.shared)  # the agent round's closing signature, when it has one
+        res = self.ladder_fn(spec_path or self.spec_path, self.ws, rdir / name, self.opts.ladder_timeout_s,
+                             rdir / f"{name}.log")
         res["round"] = k
-        res["gates_changed"] = wsmod.hash_changes(before, wsmod.hash_paths(gates)) or None
+        data, code = bracket.changes(reads, bracket.signature(self.shared))
+        res["gates_changed"] = [[4, x] for x in wsmod.hash_changes(before, wsmod.hash_paths(gates))] + \
+            [[8, x] for x in code] or None
         moved = [f"{st} {p}" for st, p in wsmod.changed_paths(self.ws, tree)] + sandbox.unscanned_files(self.ws)
+        if data and not res.get("rejected"):
+            res["rejected"] = _data_rejection(data, "while the engine was judged")
         if moved and not res.get("rejected"):
             res["rejected"] = {"class": 3, "guard": sandbox.GUARD_LABELS[3], "problems": [
                 sandbox.reason(3, f"{x}: the workspace changed while the engine was judged") for x in moved]}
-        atomic_write_json(rdir / "ladder_result.json", res)
+        atomic_write_json(rdir / f"{name}_result.json", res)
         return res
 
-    def _judged(self, k: int, rdir: Path, rec: dict, base: str) -> tuple[dict | None, list[str]]:
-        """(the ladder's result for round ``k``, the gate files the ladder changed: the run must abort). The result
-        is None, and the round rejected and reverted to ``base``, when the run-time guard rejected the candidate."""
-        res = self.ladder(k, rdir)
+    def _judged(self, k: int, rdir: Path, rec: dict, base: str, reads: dict | None = None) -> tuple[dict | None, list]:
+        """(the ladder's result for round ``k``, the (class, file) the ladder changed that the judge reads: the run
+        must abort). The result is None, and the round rejected and reverted to ``base``, when the run-time guard
+        rejected the candidate."""
+        res = self.ladder(k, rdir, reads=reads)
         if res.get("gates_changed"):
-            return None, res["gates_changed"]
+            return None, [tuple(x) for x in res["gates_changed"]]
         rej = res.get("rejected")
         if rej:
             wsmod.revert_to(self.ws, base)
@@ -261,15 +303,16 @@ class _Run:
             return None, []
         return res, []
 
-    def _abort(self, k: int, rec: dict, base: str, tampered: list[str], when: str, t0: float) -> None:
-        """The gates changed: reject the round, stop the run loudly, name the files (escape class 4)."""
+    def _abort(self, k: int, rec: dict, base: str, tampered: list, when: str, t0: float) -> None:
+        """The gates changed: reject the round, stop the run loudly, name the files (``tampered``: (escape class,
+        file); class 4 for the hashed gate set, 8 for the interpreter's packages)."""
         wsmod.revert_to(self.ws, base)
         rec.update({"guard": "rejected: gates changed", "ladder": rec.get("ladder") or "not run (gates changed)",
-                    "guard_problems": [sandbox.reason(4, f"{x} ({when})") for x in tampered]})
+                    "guard_problems": [sandbox.reason(c, f"{x} ({when})") for c, x in tampered]})
         banner = "!" * 100
         _say(f"{banner}\n[forge] GATES CHANGED {when} in round {k}: the ladder can no longer be trusted. The round "
              f"is rejected and the run stops. Restore these files and rerun with forge.overwrite=true:\n"
-             + "\n".join(f"  {x}" for x in tampered) + f"\n{banner}")
+             + "\n".join(f"  {x}" for _, x in tampered) + f"\n{banner}")
         s = self.state
         s["status"] = "aborted: gates changed"
         s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: rejected")
@@ -311,13 +354,29 @@ class _Run:
         s["wall_s"] = float(s.get("wall_s", 0.0)) + rec["wall_s"]
         self._save_state()
 
-    def _finish_round(self, k: int, rec: dict, res: dict | None, changed: bool, t0: float) -> bool:
-        """Commit/snapshot, learn, check the goal, log. Returns True when the goal is reached."""
+    def _finish_round(self, k: int, rec: dict, res: dict | None, changed: bool, t0: float, base: str) -> bool:
+        """Check the goal (and, when it is reached, the installed engine: :func:`forgetrain.forge.seal.reverify`),
+        commit/snapshot, learn, log. A failed re-check rejects the round (class 6) and reverts it to ``base``.
+        Returns True when the goal is reached."""
         s = self.state
-        if res is not None and changed:
-            passed = bool(res.get("strictest_passed"))
+        new = res is not None and changed
+        cur = res if new else (s.get("last_ladder") or {})
+        mfu = (cur.get("metrics") or {}).get("mfu_pct")
+        goal = bool(cur.get("target_met")) and (self.opts.target_mfu_pct is None or
+                                                 (mfu is not None and mfu >= self.opts.target_mfu_pct))
+        problems = sealmod.reverify(self, k, self.out / "rounds" / str(k), cur) if goal else []
+        if problems:  # the seal's condition: the installed engine passes the same gate again
+            goal = False
+            wsmod.revert_to(self.ws, base)
+            sandbox.remove_unscanned(self.ws)
+            s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: rejected")
+            s["last_ladder"] = None  # the engine now in the workspace is judged again next round
+            rec.update({"guard": sandbox.GUARD_LABELS[problems[0][0]],
+                        "guard_problems": [sandbox.reason(c, x) for c, x in problems],
+                        "ladder": f"{_ladder_text(cur)}; the installed engine failed it"})
+        elif new:
             msg = f"round {k}: {_ladder_text(res)}"
-            if passed:
+            if res.get("strictest_passed"):
                 commit = wsmod.commit_branch(self.ws, msg)
                 wsmod.git(self.ws, "update-ref", f"refs/forge/rounds/{k}", commit)
             else:
@@ -326,15 +385,11 @@ class _Run:
             rec["lessons"] = self.learn(k, res, commit)
         else:  # nothing new to judge: the end state is the previous one (plus the brief)
             s["end_commit"] = wsmod.snapshot(self.ws, f"refs/forge/rounds/{k}", f"round {k}: no engine change")
-        cur = s.get("last_ladder") or {}
-        mfu = (cur.get("metrics") or {}).get("mfu_pct")
-        goal = bool(cur.get("target_met")) and (self.opts.target_mfu_pct is None or
-                                                 (mfu is not None and mfu >= self.opts.target_mfu_pct))
         tier, div, summ = _first_failure(res)
         rec.update({"ladder": rec.get("ladder") or _ladder_text(res),
                     "tiers_passed": [v["tier"] for v in (res or {}).get("verdicts", []) if v["passed"]],
                     "strictest_passed": (res or {}).get("strictest_passed"),
-                    "target_met": bool((res or {}).get("target_met")), "goal_met": goal,
+                    "target_met": bool((res or {}).get("target_met")) and not problems, "goal_met": goal,
                     "failed_tier": tier, "first_divergence": div,
                     "first_divergence_text": briefmod.describe(div) if div else (summ or None),
                     "ladder_error": (res or {}).get("error"), "ladder_s": (res or {}).get("wall_s"),
@@ -359,7 +414,7 @@ class _Run:
         if tampered:
             self._abort(k, rec, base, tampered, "while the ladder ran", t0)
             return None
-        goal = self._finish_round(k, rec, res, res is not None, t0)
+        goal = self._finish_round(k, rec, res, res is not None, t0, base)
         self.state["baseline_done"] = True
         self._save_state()
         self.progress(rec)
@@ -379,20 +434,26 @@ class _Run:
         brief.write_text(text)
         (rdir / "BRIEF.md").write_text(text)
         pre = wsmod.stage_tree(self.ws)
-        gates = self.gate_paths + [self.golden, self.spec_path]
+        gates = self.gate_paths + [self.spec_path]
         before, cache = wsmod.hash_paths(gates), sandbox.stat_signature([self.pycache])
+        reads = bracket.signature(self.shared)
         rec: dict = {"round": k, "mode": self.opts.mode}
         head_ref, head = wsmod.git(self.ws, "symbolic-ref", "HEAD"), wsmod.git(self.ws, "rev-parse", "HEAD")
         rec.update(run_agent(self.agent, self.ws, brief, k, rdir))
         if wsmod.restore_head(self.ws, head_ref, head):  # the branch is the harness's: agent commits are undone
             rec["note"] = "the agent moved the workspace's git HEAD; restored (its edits are judged as usual)"
         # ---- guard
-        tampered = wsmod.hash_changes(before, wsmod.hash_paths(gates))
+        reads_after = bracket.signature(self.shared)
+        data, code = bracket.changes(reads, reads_after)
+        tampered = [(4, x) for x in wsmod.hash_changes(before, wsmod.hash_paths(gates))] + [(8, x) for x in code]
         if tampered:
             self._abort(k, rec, pre, tampered, "during the agent's round", t0)
             return None
         rows = wsmod.changed_paths(self.ws, pre)
         guard, problems = sandbox.guard_round(self.ws, rows)
+        if data:  # a corpus the judge reads was written: the round is rejected, the corpus removed
+            rej = _data_rejection(data, "during the agent's round")
+            guard, problems = rej["guard"], rej["problems"]
         if sandbox.stat_signature([self.pycache]) != cache:  # bytecode planted for the harness's processes
             sandbox.fresh_cache(self.pycache)
             guard, problems = sandbox.GUARD_LABELS[3], [sandbox.reason(3, f"the forge's bytecode cache "
@@ -411,14 +472,14 @@ class _Run:
         elif guard != "ok":
             rec["ladder"] = "not run (guard)"
         elif changed or s.get("last_ladder") is None:
-            res, tampered = self._judged(k, rdir, rec, pre)
+            res, tampered = self._judged(k, rdir, rec, pre, reads_after)
             if tampered:
                 self._abort(k, rec, pre, tampered, "while the ladder ran", t0)
                 return None
             changed = res is not None
         else:
             rec["ladder"] = "skipped (no change)"
-        goal = self._finish_round(k, rec, res, changed, t0)
+        goal = self._finish_round(k, rec, res, changed, t0, pre)
         self.progress(rec)
         return goal
 
@@ -434,56 +495,7 @@ class _Run:
 
     # ------------------------------------------------------------ seal / summary
     def seal(self) -> Path:
-        s, res = self.state, self.state["last_ladder"]
-        sd = self.out / "sealed"
-        tmp = self.out / ".sealed.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(self.ws / wsmod.ENGINE_DIR, tmp / wsmod.ENGINE_DIR,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        tier, surpassed = res.get("strictest_passed"), res.get("surpassed")
-        opt_file = self.ws / wsmod.ENGINE_DIR / "OPTIMISATIONS.json"
-        opts_list, opt_note = [], None
-        if opt_file.exists():
-            try:
-                opts_list = json.loads(opt_file.read_text())
-                if not isinstance(opts_list, list):
-                    raise ValueError("not a list")
-            except (ValueError, json.JSONDecodeError) as e:
-                opts_list, opt_note = [], f"OPTIMISATIONS.json unreadable ({e}); whole engine recorded"
-        optimisations = []
-        for o in opts_list:
-            declared = o.get("tier") if isinstance(o, dict) else None
-            holds = declared in TIER_ORDER and tier in TIER_ORDER and TIER_ORDER.index(tier) <= TIER_ORDER.index(declared)
-            optimisations.append({"name": o.get("name") if isinstance(o, dict) else str(o),
-                                  "description": o.get("description", "") if isinstance(o, dict) else "",
-                                  "declared_tier": declared, "passed_tier": tier, "holds_declared_tier": holds})
-        if not optimisations:
-            optimisations = [{"name": "engine", "description": "the whole engine", "passed_tier": tier}]
-        seal = {"scenario": self.scenario, "source_hash": wsmod.source_hash(tmp / wsmod.ENGINE_DIR),
-                "files": wsmod.file_hashes(tmp / wsmod.ENGINE_DIR), "tier": tier, "surpassed": surpassed,
-                "target_tier": self.opts.target_tier, "target_mfu_pct": self.opts.target_mfu_pct,
-                "optimisations": optimisations, "metrics": res.get("metrics") or {},
-                "device": res.get("device") or {"hardware": self.rc.hardware.name},
-                "versions": res.get("versions") or {},
-                "verdicts": [{k: v[k] for k in ("tier", "passed", "summary")} for v in res.get("verdicts", [])],
-                "gates": {"spec": self.spec, "tier_configs": wsmod.hash_paths([wsmod.REPO_ROOT / "conf" / "tier"])},
-                "forge": {"round": s["round"], "mode": self.opts.mode, "workspace_commit": s["end_commit"],
-                          "out_dir": str(self.out), "seed": s.get("seed")},
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        if opt_note:
-            seal["note"] = opt_note
-        atomic_write_json(tmp / "seal.json", seal)
-        shutil.rmtree(sd, ignore_errors=True)
-        tmp.rename(sd)
-        wsmod.git(self.ws, "tag", "-f", "sealed", s["end_commit"])
-        s["status"], s["seal"] = "sealed", str(sd)
-        self._save_state()
-        _say(f"[forge] sealed at round {s['round']}: {tier} (source {seal['source_hash'][:12]}) -> {sd}")
-        if self.opts.install:
-            from forgetrain.forge.install import install
-
-            install(sd, Path(self.opts.install), force=True)
-        return sd
+        return sealmod.seal(self)
 
     def summary(self) -> None:
         rows = [("round", "mode", "agent", "guard", "ladder", "first divergence", "MFU %", "wall")]
@@ -529,6 +541,10 @@ class _Run:
     # ------------------------------------------------------------ drive
     def run(self) -> dict:
         self.prepare()
+        if not self.rc.data.path:  # the corpus the gates cut their windows from: prepared, and checked, up front
+            from forgetrain.data import prepare
+
+            prepare(self.rc.data, progress=False)
         sandbox.fresh_cache(self.pycache)  # empty at every start: nothing written while no harness ran is trusted
         s = self.state
         if s["status"] == "sealed":
@@ -543,7 +559,7 @@ class _Run:
         if self.opts.baseline and not s.get("baseline_done") and s["round"] == 0:
             goal = self.baseline()
         k = s["round"]
-        while goal is False and k < self.opts.max_rounds:
+        while goal is False and k < self.opts.max_rounds and not s["status"].startswith("aborted"):
             k += 1
             r = self.round(k)
             if r is None:

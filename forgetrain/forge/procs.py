@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from forgetrain.forge import AgentConfig
 from forgetrain.forge import workspace as wsmod
@@ -140,14 +140,18 @@ def kill_group(p: subprocess.Popen, grace_s: float = 3.0) -> None:
 _ACTIVE: set = set()  # groups started by run_group and not yet reaped (kill_active)
 
 
-def run_group(cmd, *, cwd: Path, env: dict, timeout_s: float | None, stdin=None, stdout=None, stderr=None,
-              shell: bool = False, pass_fds: tuple = ()) -> tuple[Optional[int], bool, float]:
-    """Run ``cmd`` in its own process group; returns (rc or None, timed_out, seconds). Leftover children of the
-    group are killed when it returns."""
-    t0 = time.monotonic()
+def start_group(cmd, *, cwd: Path, env: dict, stdin=None, stdout=None, stderr=None, shell: bool = False,
+                pass_fds: tuple = ()) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group (:func:`wait_group` ends it)."""
     p = subprocess.Popen(cmd, shell=shell, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
                          start_new_session=True, pass_fds=pass_fds)
     _ACTIVE.add(p)
+    return p
+
+
+def wait_group(p: subprocess.Popen, timeout_s: float | None) -> tuple[Optional[int], bool]:
+    """Wait for a group :func:`start_group` started; returns (rc or None, timed_out). Its leftover members are
+    killed when it returns."""
     timed_out = False
     try:
         rc = p.wait(timeout=timeout_s)
@@ -156,6 +160,16 @@ def run_group(cmd, *, cwd: Path, env: dict, timeout_s: float | None, stdin=None,
     finally:
         kill_group(p)
         _ACTIVE.discard(p)
+    return rc, timed_out
+
+
+def run_group(cmd, *, cwd: Path, env: dict, timeout_s: float | None, stdin=None, stdout=None, stderr=None,
+              shell: bool = False, pass_fds: tuple = ()) -> tuple[Optional[int], bool, float]:
+    """Run ``cmd`` in its own process group; returns (rc or None, timed_out, seconds). Leftover children of the
+    group are killed when it returns."""
+    t0 = time.monotonic()
+    p = start_group(cmd, cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr, shell=shell, pass_fds=pass_fds)
+    rc, timed_out = wait_group(p, timeout_s)
     return rc, timed_out, time.monotonic() - t0
 
 
@@ -171,12 +185,12 @@ def kill_active(*_) -> None:
     os._exit(143)
 
 
-def run_reporting(cmd: list[str], *, cwd: Path, env: dict, log_path: Path,
-                  timeout_s: float | None) -> tuple[Optional[int], bool, list[str]]:
+def run_reporting(cmd: list[str], *, cwd: Path, env: dict, log_path: Path, timeout_s: float | None,
+                  send: Callable[[], bytes] | None = None) -> tuple[Optional[int], bool, list[str]]:
     """Run a side that reports on a pipe: ``cmd`` gets ``--report-fd N`` appended, N being the write end of a pipe
-    whose read end is this process's. Output goes to ``log_path``. Returns (rc or None, timed_out, the report's
-    lines). The write end is closed here once the side has started, so the report ends when the side's group
-    does."""
+    whose read end is this process's. Output goes to ``log_path``. ``send``, called once the side has started
+    (it may take long: the reference's side runs meanwhile), returns what the side reads on its stdin; an
+    exception from it kills the side and is raised. Returns (rc or None, timed_out, the report's lines)."""
     r, w = os.pipe()
     lines: list[str] = []
 
@@ -189,11 +203,27 @@ def run_reporting(cmd: list[str], *, cwd: Path, env: dict, log_path: Path,
     reader.start()
     try:
         with open(log_path, "ab") as log:
-            rc, timed_out, _ = run_group(cmd + ["--report-fd", str(w)], cwd=cwd, env=env, timeout_s=timeout_s,
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         pass_fds=(w,))
+            p = start_group(cmd + ["--report-fd", str(w)], cwd=cwd, env=env,
+                            stdin=subprocess.PIPE if send else subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT, pass_fds=(w,))
+            os.close(w)
+            w = -1
+            try:
+                if send is not None:
+                    data = send()
+                    try:
+                        p.stdin.write(data)
+                        p.stdin.close()
+                    except (BrokenPipeError, OSError):
+                        pass  # the side died before reading its run: its report says why
+            except BaseException:
+                kill_group(p, grace_s=0.5)
+                _ACTIVE.discard(p)
+                raise
+            rc, timed_out = wait_group(p, timeout_s)
     finally:
-        os.close(w)
+        if w >= 0:
+            os.close(w)
     reader.join(timeout=10.0)
     return rc, timed_out, list(lines)
 

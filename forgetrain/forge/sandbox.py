@@ -1,6 +1,6 @@
 """The forge's sandbox: the escape classes its rejections name, and the checks that run outside the candidate.
 
-A hostile agent has four ways to get a wrong engine sealed (docs/forge.md, threat model). Each rejection names
+A hostile agent has eight ways to get a wrong engine sealed (docs/forge.md, threat model). Each rejection names
 its class (:func:`reason`), defined once here:
 
 1. *candidate code reaching into the judge* -- rebinding the verdict functions, patching the reference engine,
@@ -23,6 +23,17 @@ its class (:func:`reason`), defined once here:
 4. *an edit outside the hashed gate set* -- the hashed set is everything of the repository that the judge or the
    candidate's process imports or reads (:func:`gate_paths`: all of ``forgetrain/``, ``references/``,
    ``conf/``, ``tests/``, plus the interpreter's site hooks); a change aborts the run and names the file.
+5. *replaying the reference* -- a reference run recorded in advance, written out by the candidate's process.
+   Closed by the gate's secret values (:mod:`.secret`), the judge's rechecks of every trace (:mod:`.recheck`) and
+   the run-time guard's snapshot of every module.
+6. *knowing it is being judged* -- an engine honest only under the gate. Closed by importing it under its
+   installed name in a process that looks like a user's run, and by sealing only an installed copy that passed
+   the gate again (:mod:`.seal`).
+7. *the reference in disguise* -- a reference framework's code under other names. Closed by the content check
+   (:mod:`.content`) and by refusing edits of the import path (``forgetrain.guard``, the run-time guard).
+8. *writing outside the workspace* -- poisoned corpora or packages the judge reads. Closed by content hashes in
+   the corpora's manifests (``forgetrain.data.integrity``), the bracket of every round and ladder run
+   (:mod:`.bracket`), and a candidate process that writes only its run dir (:mod:`.isolate`, the guard).
 """
 
 from __future__ import annotations
@@ -45,9 +56,15 @@ ESCAPE_CLASSES = {
     2: "an import the guard cannot see",
     3: "code that runs but was never scanned",
     4: "an edit outside the hashed gate set",
+    5: "replaying the reference",
+    6: "knowing it is being judged",
+    7: "the reference in disguise",
+    8: "writing outside the workspace",
 }
 GUARD_LABELS = {1: "rejected: reaches into the judge", 2: "rejected: forbidden import",
-                3: "rejected: unscanned code", 4: "rejected: gates changed"}
+                3: "rejected: unscanned code", 4: "rejected: gates changed", 5: "rejected: replays the reference",
+                6: "rejected: honest only when judged", 7: "rejected: reference in disguise",
+                8: "rejected: writes outside the workspace"}
 BYTECODE_SUFFIXES = tuple(sorted({".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll",
                                   *importlib.machinery.EXTENSION_SUFFIXES,
                                   *importlib.machinery.BYTECODE_SUFFIXES}))
@@ -177,8 +194,9 @@ def sandbox_env(cache_dir: Path, *, writable: bool, base: dict | None = None) ->
     env.update(PYTHONPYCACHEPREFIX=str(cache_dir), PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1")
     if not writable:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-    if "FORGE_PYTHON" in os.environ:
-        env["FORGE_PYTHON"] = os.environ["FORGE_PYTHON"]  # the interpreter of the forge's processes
+    for k in ("FORGE_PYTHON", "FORGE_ISOLATION"):  # the interpreter of the forge's processes; isolation off
+        if k in os.environ:
+            env[k] = os.environ[k]
     return env
 
 
@@ -187,7 +205,8 @@ def sandbox_env(cache_dir: Path, *, writable: bool, base: dict | None = None) ->
 def guard_round(ws: Path, rows: list[tuple[str, str]]) -> tuple[str, list[str]]:
     """Judge an agent round's edits before any gate runs: ``rows`` are git's changed paths. Returns (label,
     problems): ``ok``; ``syntax error``; ``rejected: writes outside engine/``; or a rejection naming its escape
-    class (bytecode or native modules: class 3; forbidden or hidden imports, ``exec``: class 2)."""
+    class (bytecode or native modules: class 3; forbidden or hidden imports, ``exec``: class 2; edits of the
+    import path, code shared with a reference framework (:mod:`forgetrain.forge.content`): class 7)."""
     outside, links = wsmod.outside_engine(rows), wsmod.engine_symlinks(ws)
     if outside or links:
         return "rejected: writes outside engine/", [f"write outside engine/: {x}" for x in outside] + \
@@ -202,8 +221,17 @@ def guard_round(ws: Path, rows: list[tuple[str, str]]) -> tuple[str, list[str]]:
         where = os.path.relpath(e.filename, ws) if e.filename else "?"
         return "syntax error", [f"{where}:{e.lineno}: {e.msg}"]
     if found:
-        return GUARD_LABELS[2], [reason(2, f"{'forbidden import ' if f.kind == 'import' else ''}"
-                                           f"{os.path.relpath(f.file, ws)}:{f.line}: {f.what}") for f in found]
+        cls = {f: 7 if f.kind == "path_edit" else 2 for f in found}
+        first = min(cls.values())
+        return GUARD_LABELS[first], [reason(cls[f], f"{'forbidden import ' if f.kind == 'import' else ''}"
+                                                    f"{os.path.relpath(f.file, ws)}:{f.line}: {f.what}")
+                                     for f in found]
+    from forgetrain.forge import content
+
+    shared = content.scan(ws / wsmod.ENGINE_DIR, content.index_for(ws))
+    if shared:
+        return GUARD_LABELS[7], [reason(7, f"{x} (the engine's code is a reference framework's, renamed or not)")
+                                 for x in shared[:20]]
     return "ok", []
 
 

@@ -407,7 +407,7 @@ class _SourceOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.package and not fullname.startswith(self.package + "."):
             return None
-        rel = fullname.split(".")[1:]
+        rel = [x for x in fullname[len(self.package):].split(".") if x]
         base = self.engine_dir.joinpath(*rel)
         if (base / "__init__.py").is_file() or not rel:
             return importlib.util.spec_from_file_location(fullname, base / "__init__.py", loader=self,
@@ -428,7 +428,8 @@ class _SourceOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def load_engine_class(engine_dir: str | Path, package: str = _PKG, entry: str = "engine:Engine"):
     """Import ``engine_dir/<module>.py`` as ``<package>.<module>`` (``engine_dir`` becomes the package, so relative
-    imports resolve inside it) and return its class; ``entry`` = ``<module>:<Class>`` (a workspace's is
+    imports resolve inside it; a dotted ``package`` such as ``scenarios.NAME``, the name the engine is installed
+    under, imports its parents as usual) and return its class; ``entry`` = ``<module>:<Class>`` (a workspace's is
     :func:`workspace_entry`). Modules are compiled from their ``.py`` source only (:class:`_SourceOnly`). Raises
     ImportError / AttributeError."""
     engine_dir = Path(engine_dir).resolve()

@@ -13,6 +13,8 @@ Each entry is a patch name (``patches/<name>.json``: ``{"description", "ops": [.
   ``.py`` path) the header carries that file's mtime and size and the code that file's name, so Python would take
   the bytecode for that file's (a planted cache); with ``"encoding": "base64"`` the bytes are written as base64
   text (a payload the engine carries as data and plants at run time);
+* ``python``: ``code`` -- run Python code in the agent's process, in the workspace (an agent's own scripts: it
+  may run the gate's golden maker, read the repository, write anywhere it has permission to);
 * ``sleep``: ``seconds`` (a hung agent);
 * ``kill_harness``: SIGKILL the forge process ($FORGE_HARNESS_PID), once per plan (a marker file beside the plan
   remembers it), simulating a crash of the loop in the middle of a round;
@@ -82,6 +84,8 @@ def apply(op: dict, plan_path: Path) -> None:
             with open(p, "a" if kind == "append" else "w") as f:
                 f.write(op["text"])
         print(f"{kind} {p}")
+    elif kind == "python":
+        exec(compile(op["code"], f"<plan op {kind}>", "exec"), {"__name__": "__plan__", "plan_path": plan_path})
     elif kind == "sleep":
         print(f"sleeping {op['seconds']} s", flush=True)
         time.sleep(op["seconds"])

@@ -1,0 +1,274 @@
+"""What a seal means (issue 36): four classes of escape, each played through the forge by the scripted agent and
+rejected naming its class, and the honest plan still sealing.
+
+* class 5, replaying the reference: the agent runs the gate's golden maker for the configuration the spec
+  describes and the engine writes the recorded trace (over its own files; through a patched ``json.dumps``);
+* class 6, knowing it is being judged: an engine honest only in the forge's workspace;
+* class 7, the reference in disguise: megatron-core and references/megatron copied in, renamed;
+* class 8, writing outside the workspace: the shared data cache poisoned by absolute path, manifest and all.
+
+One real forge run (llama_micro, 2-4 steps per gate run, the candidate isolated by the operating system where
+it can be) plays them in turn and ends with an honest round. The mechanisms are also tested one by one: the
+secret draws, the trace rechecks, the data bracket, the OS isolation (skipped, with the reason, where it is not
+available) and its fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forgetrain.config import DataConfig
+from forgetrain.errors import ConfigError
+from forgetrain.forge import isolate, recheck, sandbox, secret
+from forgetrain.forge import workspace as wsmod
+from forgetrain.forge.loop import forge
+from tests.test_forge import agent_for, fake_gates, log_of, micro_rc, options
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUNDS = [  # (patch, class, label, what a problem line names)
+    ("escape_replay_files", 5, "rejected: replays the reference", "describes another run than the one judged"),
+    ("escape_replay_json", 5, "rejected: replays the reference", "json.dumps rebound"),
+    ("escape_disguise", 7, "rejected: reference in disguise", "megatron/core/optimizer/clip_grads.py"),
+    ("escape_poison_cache", 8, "rejected: writes outside the workspace", "train.bin"),
+    ("escape_judged_only", 6, "rejected: honest only when judged", "fails the gate that its workspace copy passed"),
+]
+
+
+def _classes(rec: dict) -> set[int]:
+    return {int(p.split("escape class ", 1)[1][0]) for p in rec.get("guard_problems", []) if "escape class " in p}
+
+
+@pytest.fixture(scope="module")
+def seal_run(tmp_path_factory):
+    """The forge run of the four classes, on a private data cache (round 4 poisons it)."""
+    from forgetrain.data import prepare
+
+    tmp = tmp_path_factory.mktemp("forge_seal")
+    rc = micro_rc()
+    rc = dataclasses.replace(rc, data=dataclasses.replace(rc.data, cache_dir=str(tmp / "data")))
+    clean = Path(prepare(rc.data, progress=False).train_prefix + ".bin").read_bytes()
+    rounds = {i + 1: [p] for i, (p, *_) in enumerate(ROUNDS)}
+    rounds[len(rounds) + 1] = ["engine_comment"]  # honest: must still seal
+    agent = agent_for(tmp, rounds, timeout_s=300.0)
+    plan = Path(agent.command.split()[-1])
+    plan.write_text(json.dumps(dict(json.loads(plan.read_text()), vars={"repo": str(ROOT),
+                                                                        "data_cache": str(tmp / "data")})))
+    state = forge(rc, options(tmp, max_rounds=len(rounds)), agent, gate_paths=fake_gates(tmp))
+    return {"state": state, "log": log_of(tmp / "out"), "out": tmp / "out", "rc": rc, "clean": clean}
+
+
+@pytest.mark.parametrize("i", range(len(ROUNDS)), ids=[r[0] for r in ROUNDS])
+def test_each_class_is_rejected_naming_it(seal_run, i):
+    patch, cls, label, what = ROUNDS[i]
+    rec = seal_run["log"][i]
+    assert rec["round"] == i + 1 and rec["guard"] == label, (patch, rec["guard"], rec.get("guard_problems"))
+    assert cls in _classes(rec) and any(what in p for p in rec["guard_problems"]), rec["guard_problems"]
+    assert not rec["goal_met"] and not rec["target_met"]
+    brief = (seal_run["out"] / "rounds" / str(i + 2) / "BRIEF.md").read_text()
+    assert f"escape class {cls}" in brief  # the agent is told why
+
+
+def test_the_poisoned_corpus_does_not_outlive_its_round(seal_run):
+    """Round 4 rewrote train.bin and its manifest's hash: the round was rejected, the corpus removed, and a plain
+    run that prepares the data afterwards reads the clean corpus again."""
+    from forgetrain.data import prepare
+
+    rec = seal_run["log"][3]
+    assert any("a prepared corpus the judge reads was written" in p for p in rec["guard_problems"])
+    again = Path(prepare(seal_run["rc"].data, progress=False).train_prefix + ".bin").read_bytes()
+    assert again == seal_run["clean"]
+
+
+def test_the_honest_plan_seals_its_installed_copy(seal_run):
+    state, log, out = seal_run["state"], seal_run["log"], seal_run["out"]
+    assert state["status"] == "sealed" and state["round"] == len(ROUNDS) + 1, log[-1]
+    assert log[-1]["guard"] == "ok" and log[-1]["strictest_passed"] == "bitwise"
+    seal = json.loads((out / "sealed" / "seal.json").read_text())
+    check = seal["installed_check"]
+    assert check["passed"] and check["dest"] == str(out / "installed" / "llama_tiny_cpu")
+    assert wsmod.file_hashes(Path(check["dest"])).items() >= wsmod.file_hashes(out / "sealed" / "engine").items()
+    drawn = seal["gates"]["drawn"]["drawn"]
+    lo, hi = seal["gates"]["spec"]["secret"]["steps"]
+    assert lo <= drawn["steps"] <= hi and seal["gates"]["drawn"]["window"]["docs"] >= 1
+    # every rejected round was reverted: the sealed engine is the seeded one plus the honest comment
+    diff = wsmod.git(out / "workspace", "diff", "-U0", state["seed"]["commit"], "sealed", "--", "engine")
+    changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    assert [ln for ln in changed if ln.strip("+-").strip()] == ["+# forge test: harmless edit"], changed
+
+
+def test_each_gate_run_draws_its_own_values(seal_run):
+    out = seal_run["out"]
+    draws = [json.loads((out / "rounds" / str(k) / "ladder_result.json").read_text())["gate"]["drawn"]
+             for k in (1, 2, 6)]
+    assert len({d["seed"] for d in draws}) == 3
+    public = json.loads((out / "ladder_spec.json").read_text())
+    assert "drawn" not in public and public["secret"]["steps"] == [2, 4]
+
+
+# ---------------------------------------------------------------------------------------------------- secret
+
+def test_secret_draws_stay_in_their_declared_ranges_and_bad_ranges_are_refused():
+    ranges = secret.declare(3, 5, 0.25)
+    draws = [secret.draw(ranges) for _ in range(50)]
+    assert all(3 <= d["steps"] <= 5 and 0 <= d["seed"] <= ranges["seed"][1] for d in draws)
+    assert len({d["seed"] for d in draws}) > 45 and {d["steps"] for d in draws} == {3, 4, 5}
+    with pytest.raises(ConfigError, match="verify_steps_max=2 is below"):
+        secret.declare(3, 2, 0.5)
+    with pytest.raises(ConfigError, match="gate_window"):
+        secret.declare(3, None, 0.0)
+    with pytest.raises(ConfigError, match="malformed"):
+        secret.draw({"seed": [0]})
+
+
+def test_the_window_is_a_contiguous_run_of_the_corpus_with_hashes(tmp_path):
+    """The session's corpus (its shared test cache), cut at a drawn start: the window's documents are the
+    corpus's, in order, and its manifest's hashes hold."""
+    from forgetrain.data import integrity, prepare
+    from forgetrain.data.loader import open_indexed
+
+    spec = {"run_config": {"model": {"seq_length": 16}, "train": {"global_batch_size": 2}},
+            "verify": {"steps": 2, "curve_steps": 2},
+            "source_data": dataclasses.asdict(DataConfig()),
+            "drawn": {"window": {"fraction": 0.1, "start": 0.5}}}
+    info = secret.build_window(spec, tmp_path / "w")
+    src = open_indexed(prepare(DataConfig(**spec["source_data"]), progress=False).train_prefix)
+    win = open_indexed(str(tmp_path / "w" / "train"))
+    assert len(win) == info["docs"] and info["first_doc"] + info["docs"] <= info["of"]
+    assert all((win[j] == src[info["first_doc"] + j]).all() for j in range(0, info["docs"], 37))
+    integrity.verify(tmp_path / "w", json.loads((tmp_path / "w" / "manifest.json").read_text()))
+
+
+# ---------------------------------------------------------------------------------------------------- recheck
+
+def _trace(d: Path, config_hash: str, steps: int) -> None:
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"config_hash": config_hash}))
+    (d / "trace.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, steps + 1)))
+
+
+def test_recheck_names_a_trace_of_another_run(tmp_path):
+    _trace(tmp_path / "golden", "aaa", 3)
+    _trace(tmp_path / "same", "aaa", 3)
+    _trace(tmp_path / "other", "bbb", 2)
+    assert recheck.trace_problems(tmp_path / "same", tmp_path / "golden", 3) == []
+    got = recheck.trace_problems(tmp_path / "other", tmp_path / "golden", 3)
+    assert len(got) == 2 and "another run" in got[0] and "the judge's run had 3" in got[1]
+    assert "cannot be read" in recheck.trace_problems(tmp_path / "missing", tmp_path / "golden", 3)[0]
+
+
+def test_recheck_names_saved_weights_that_the_trace_does_not_describe(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from forgetrain.trace import tensor_digests
+
+    w = {"a": torch.ones(3), "b": torch.zeros(2)}
+    d = tmp_path / "c"
+    _trace(d, "aaa", 1)
+    (d / "trace.jsonl").write_text(json.dumps({"step": 1, "digests": {"params": tensor_digests(w)}}) + "\n")
+    save_file(w, str(d / "final.safetensors"))
+    assert recheck._final_problems(d, json.loads((d / "trace.jsonl").read_text())) == []
+    save_file({"a": torch.ones(3) * 2, "b": torch.zeros(2)}, str(d / "final.safetensors"))
+    got = recheck._final_problems(d, json.loads((d / "trace.jsonl").read_text()))
+    assert got and "1 tensors differ, first a" in got[0]
+
+
+# ---------------------------------------------------------------------------------------------------- bracket
+
+def test_bracket_sees_a_rewritten_corpus_and_ignores_a_new_one(tmp_path):
+    from forgetrain.forge import bracket
+
+    entry = tmp_path / "cache" / "k1"
+    entry.mkdir(parents=True)
+    (entry / "manifest.json").write_text("{}")
+    (entry / "train.bin").write_bytes(b"\0" * 64)
+    before = bracket.signature([str(tmp_path / "cache")])
+    (tmp_path / "cache" / "k2").mkdir()
+    (tmp_path / "cache" / "k2" / "manifest.json").write_text("{}")
+    assert bracket.changes(before, bracket.signature([str(tmp_path / "cache")])) == ({}, [])
+    data = (entry / "train.bin").read_bytes()
+    (entry / "train.bin").write_bytes(data)  # the same bytes, written again: still a write
+    os.utime(entry / "train.bin", ns=(before["data"][str(entry)][str(entry / "train.bin")][2],) * 2)
+    got, code = bracket.changes(before, bracket.signature([str(tmp_path / "cache")]))
+    assert list(got) == [str(entry)] and got[str(entry)] == [f"changed {entry / 'train.bin'}"] and code == []
+    assert bracket.discard(list(got)) == [str(entry)] and not entry.exists()
+
+
+# ---------------------------------------------------------------------------------------------------- isolation
+
+_INSIDE = r'''
+import json, os, sys
+import numpy as np
+root = sys.argv[1]
+out = {}
+out["hidden_listing"] = os.listdir(os.path.join(root, "judge"))
+for what, fn in (("native_read", lambda: np.fromfile(os.path.join(root, "judge", "golden.bin"), dtype=np.uint8)),
+                 ("native_write", lambda: np.zeros(4, np.uint8).tofile(os.path.join(root, "elsewhere.bin"))),
+                 ("own_write", lambda: np.zeros(4, np.uint8).tofile(os.path.join(root, "judge", "own", "x.bin"))),
+                 ("read_ro", lambda: open(os.path.join(root, "judge", "data", "d.txt")).read()),
+                 ("write_ro", lambda: open(os.path.join(root, "judge", "data", "e.txt"), "w").close())):
+    try:
+        r = fn()
+        out[what] = "ok" if not isinstance(r, str) else r
+    except OSError as e:
+        out[what] = type(e).__name__
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+out["umount"] = libc.umount2(os.path.join(root, "judge").encode(), 2)
+print(json.dumps(out))
+'''
+
+
+def test_isolation_hides_the_judge_from_native_code_and_refuses_writes(tmp_path):
+    """What the audit hook cannot see (numpy's C-level file I/O, ctypes) the mount namespace stops: the judge's
+    dir is an empty cover except the paths bound back, every other write fails, the cover cannot be removed."""
+    ok, why = isolate.available()
+    if not ok:
+        pytest.skip(f"no OS isolation here ({why}); the in-process guard alone holds (docs/forge.md)")
+    judge = tmp_path / "judge"
+    for d in ("own", "data"):
+        (judge / d).mkdir(parents=True)
+    (judge / "golden.bin").write_bytes(b"golden")
+    (judge / "data" / "d.txt").write_text("data")
+    plan = {"hide": [str(judge)], "ro": [str(judge / "data")], "rw": [str(judge / "own")]}
+    p = subprocess.run(isolate.wrap([sys.executable, "-c", _INSIDE, str(tmp_path)], plan), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert sorted(got["hidden_listing"]) == ["data", "own"]
+    assert got["native_read"] == "FileNotFoundError" and got["native_write"] == "OSError", got
+    assert got["own_write"] == "ok" and got["read_ro"] == "data" and got["write_ro"] == "OSError", got
+    assert got["umount"] != 0 and (judge / "golden.bin").read_bytes() == b"golden"
+    assert not (tmp_path / "elsewhere.bin").exists() and (judge / "own" / "x.bin").exists()
+
+
+def test_without_isolation_the_candidate_runs_under_the_guard_alone(monkeypatch):
+    monkeypatch.setenv("FORGE_ISOLATION", "off")
+    assert isolate.available() == (False, "turned off (FORGE_ISOLATION=off)")
+    assert isolate.status().startswith("none (turned off") and "in-process guard alone" in isolate.status()
+    assert isolate.wrap(["x", "y"], {"hide": [], "ro": [], "rw": []}) == ["x", "y"]
+    assert sandbox.sandbox_env(Path("/tmp/c"), writable=False)["FORGE_ISOLATION"] == "off"
+
+
+@pytest.mark.parametrize("argv", [["{}"], ["not json", "--", "true"], ['["a list"]', "--", "true"]])
+def test_the_isolation_launcher_refuses_bad_input_with_one_line(argv):
+    p = subprocess.run([sys.executable, "-I", "-S", "-B", isolate.__file__, *argv], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override,msg", [("forge.gate_window=1.5", "forge.gate_window must lie in (0, 1]"),
+                                          ("forge.verify_steps_max=1", "forge.verify_steps_max=1 is below")])
+def test_cli_refuses_bad_secret_ranges_with_one_line(tmp_path, override, msg):
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=true", override,
+                        f"forge.out_dir={tmp_path / 'o'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f"error: {msg}"), p.stderr[-1500:]
+    assert not (tmp_path / "o").exists() and not (tmp_path / "h").exists()
