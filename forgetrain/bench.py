@@ -519,16 +519,8 @@ def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times.setdefault("_info", {})[name] = _engine_info(eng)
-        out, t_first = [], 0.0
-        for i in range(warmup + steps):
-            where["stage"] = (f"{'warm-up' if i < warmup else 'timed'} step {i + 1} of {warmup + steps} "
-                              f"(micro-batch {cfg.train.micro_batch_size} x grad-accum {grad_accum_steps(cfg)})")
-            with _Timer(device) as tm:
-                eng.train_step(batches[i])
-            if i >= warmup:
-                out.append(tm.s)
-            elif i == 0:
-                t_first = tm.s
+        out, t_first = _run_steps(eng, batches, warmup, steps, device, where,
+                                  f"micro-batch {cfg.train.micro_batch_size} x grad-accum {grad_accum_steps(cfg)}")
         if device.type == "cuda":
             times["_mem_gib"][name] = max(times["_mem_gib"].get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
         if name not in times.get("_profile", {}):
