@@ -6,7 +6,8 @@ from the candidate's own init), in one process.
         [--budget-s 560] -- <verify overrides: the golden's shape, e.g. $P8 of scripts/device/shapes.sh>
 
 Per plant it writes ``DIR/<plant>/verdict.json`` and ``loss_curves.png``, and after every plant the running
-table ``DIR/power.json``; the golden's ``init.json`` files it records (``verify.pin_init``) are copied to
+table ``DIR/power.json`` (each mode's smallest detected shift, and each paired plant against ``default`` seed by
+seed when both ran: with ``repeat``, that is the noise floor); the golden's ``init.json`` files it records (``verify.pin_init``) are copied to
 ``DIR/init_json/``. A plant that would not finish inside ``--budget-s`` is skipped and named.
 """
 
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,26 +98,38 @@ def main(argv=None) -> int:
             pe = v.evidence["paired"]
             row.update({k: pe[k] for k in ("late_diff_mean", "late_diff_sd", "ci", "delta", "ref_late_mean",
                                            "late_diff_per_seed", "n_windows_outside")})
+            row["detects_nats"], row["detects_rel"] = pe["power"]["detects_nats"], pe["power"]["detects_rel"]
+            base_row = next((r for r in rows if r["plant"] == "default" and "late_diff_per_seed" in r), None)
+            if base_row is not None and name != "default":  # this plant against the default, seed by seed
+                d = [a - b for a, b in zip(row["late_diff_per_seed"], base_row["late_diff_per_seed"])]
+                row["vs_default_per_seed"] = d
+                row["vs_default_sd"] = statistics.stdev(d) if len(d) > 1 else None
         else:
             d = v.evidence.get("drift", {})
             row.update({k: d.get(k) for k in ("mean_diff", "limit", "detects_nats", "cand_late_means",
                                               "ref_late_means")})
             row["n_outside"] = v.evidence.get("n_outside")
+            row["detects_rel"] = d.get("detects_nats", 0.0) / abs(statistics.mean(d.get("ref_late_means") or [1.0]))
         rows.append(row)
         (out / "power.json").write_text(json.dumps({"golden": gdir.name, "seeds": seeds, "rows": rows}, indent=1))
         for rd in runs.paired + runs.unpaired:  # keep the traces, drop the rest
             shutil.rmtree(Path(rd).parent / "checkpoints", ignore_errors=True)
         print(f"[{time.time() - t0:.0f} s] {name}: {'PASS' if v.passed else 'FAIL'}  {v.summary}", flush=True)
-    print("\nplant               mode      result  late diff (nats)  CI / limit")
+    print("\nplant               mode      result  late diff (nats)  CI / limit                  detects (nats, %)"
+          "  vs default (mean, sd)")
     for r in rows:
         if "skipped" in r:
             print(f"{r['plant']:<19} skipped   {r['skipped']}")
-        elif "ci" in r:
+            continue
+        det = f"{r['detects_nats']:.4f} {r['detects_rel']:.2%}"
+        if "ci" in r:
+            vd = r.get("vs_default_per_seed")
+            vs = f"{statistics.mean(vd):+.4f} {r['vs_default_sd'] or 0:.4f}" if vd else "-"
             print(f"{r['plant']:<19} paired    {'PASS' if r['passed'] else 'FAIL'}    {r['late_diff_mean']:+.4f}"
-                  f"           [{r['ci'][0]:+.4f}, {r['ci'][1]:+.4f}] vs +-{r['delta']:.4f}")
+                  f"           [{r['ci'][0]:+.4f}, {r['ci'][1]:+.4f}] vs +-{r['delta']:.4f}  {det}  {vs}")
         else:
             print(f"{r['plant']:<19} unpaired  {'PASS' if r['passed'] else 'FAIL'}    {r['mean_diff']:+.4f}"
-                  f"           limit +-{r['limit']:.4f} ({r['n_outside']} windows out)")
+                  f"           limit +-{r['limit']:.4f} ({r['n_outside']} windows out)  {det}")
     return 0
 
 
