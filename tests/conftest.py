@@ -27,6 +27,16 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     yield
 
 
+@pytest.fixture
+def golden_root(tmp_path, monkeypatch):
+    """``forgetrain.verify.GOLDEN_ROOT`` pointed at an empty directory of the test's own: goldens made there."""
+    from forgetrain import verify as V
+
+    root = tmp_path / "goldens"
+    monkeypatch.setattr(V, "GOLDEN_ROOT", root)
+    return root
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -92,13 +92,6 @@ def test_added_loss_noise_does_not_pass_more_easily(live, tmp_path):
     assert noisy.evidence["unpaired"]["passed"]  # the band alone would have taken it
 
 
-@pytest.fixture
-def golden_root(tmp_path, monkeypatch):
-    root = tmp_path / "goldens"
-    monkeypatch.setattr(V, "GOLDEN_ROOT", root)
-    return root
-
-
 def test_golden_stores_init_hashes_and_a_changed_hash_is_refused_in_one_line(golden_root, tmp_path):
     import json
 

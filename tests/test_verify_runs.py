@@ -50,13 +50,6 @@ def test_resume_gate_deletes_its_checkpoint(tmp_path):
     assert eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise")).passed
 
 
-@pytest.fixture
-def golden_root(tmp_path, monkeypatch):
-    root = tmp_path / "goldens"
-    monkeypatch.setattr(V, "GOLDEN_ROOT", root)
-    return root
-
-
 def test_loss_curve_golden_round_trip(golden_root, tmp_path):
     cfg, tier = _curve_cfg(), _tier()
     # made seed by seed: two seeds first, a third later, in processes of their own
