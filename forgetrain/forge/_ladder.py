@@ -19,6 +19,10 @@ at the first that passes; target ``surpass`` tries the short-run tiers (bitwise,
    under the run-time guard as ``scenarios.<name>``, gets its run on stdin once the goldens exist, and writes
    only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the result's
    ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
+   A curve tier's (loss_curve, and the one surpass rests on) candidate runs paired: this process rebuilds each
+   reference seed's init from the seed and checks it against the golden's sha256 (:func:`curve_inits`), the
+   candidate's process runs from each (``OUT/<tier>/init/seed_<N>.safetensors``, read-only) and then its unpaired
+   seeds (drawn too), and the verdict takes both (:func:`curve_runs`);
 3. the judge's own checks of the trace (:mod:`forgetrain.forge.recheck`: class 5), then the verdict, computed
    here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the judge's code before
    any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference, candidate).
