@@ -151,7 +151,7 @@ def test_bench_footprint_is_the_estimate():
     from forgetrain import bench
 
     cfg = _compose(LLAMA3_8B)
-    assert bench._bytes_per_engine(cfg) == estimate(cfg).total_bytes
+    assert bench.bytes_per_engine(cfg) == estimate(cfg).total_bytes
 
 
 def _cli(module: str, args: list[str], cwd: Path, fake_gib: str) -> subprocess.CompletedProcess:
@@ -302,7 +302,7 @@ def test_param_tensor_sizes_are_the_engines_tensors():
     (same element counts, as a multiset), or it would count tensors the engine does not offload."""
     from forgetrain.metrics import param_tensor_sizes
     from scenarios.llama1b_h200.engine import Engine as Hopper
-    from tests.test_recompute import _cfg_for
+    from tests.helpers import hopper_cfg as _cfg_for
 
     cfg = _cfg_for("fast")
     eng = Hopper(cfg, "cpu")

@@ -25,7 +25,7 @@ import torch
 
 from references.torch_compile.engine import Engine as Strong
 from references.torch_compile_autocast.engine import Engine as Autocast
-from tests.test_ladder import _cfg as _ladder_cfg
+from tests.helpers import ladder_cfg as _ladder_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
