@@ -137,9 +137,9 @@ def run_bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: 
     bench.json is written once the headline is timed (``"complete": false`` while the one-micro-batch rows are still
     to come; under ``bench.interleave=once`` after every side's block), then again whole: a run killed in between
     keeps what was timed."""
-    from forgetrain.train import _out_dir
+    from forgetrain.run.outdir import out_dir
 
-    out = Path(b.out_dir) if b.out_dir else _out_dir(rc)
+    out = Path(b.out_dir) if b.out_dir else out_dir(rc)
     single_cfg = single_micro_batch_config(rc)
     wants_single = b.single_micro_batch and single_cfg.train.global_batch_size != rc.train.global_batch_size
     once = None  # bench.interleave=once: (headline, single) times from one pass over the sides
@@ -178,9 +178,9 @@ def run_bench(rc: RunConfig, b: BenchConfig, rank: int, record=None, candidate: 
     write_report(out, rc, b, mode, times, rows, warning, complete=True,
                   single_times=single[1] if single else None, rows_single=rows_single)
     if record is not None:
-        from forgetrain.train import _record_config
+        from forgetrain.run.outdir import record_config
 
-        _record_config(out, record, resume=False)
+        record_config(out, record, resume=False)
     print(f"wrote {out / 'bench.json'}", file=sys.stderr)
 
 

@@ -165,7 +165,7 @@ def write_report(out: Path, rc: RunConfig, b: BenchConfig, mode: str, times: dic
     the sides that could not run, profiles, engine info, warnings (noisy sides' included, with the threshold
     ``noisy_iqr_pct``: :data:`NOISY_IQR_PCT`), versions and the command line."""
     from forgetrain.trace import atomic_write_json
-    from forgetrain.train import versions
+    from forgetrain.run.identity import versions
 
     st = single_times or {}
     atomic_write_json(out / "bench.json", {"rows": rows, "rows_single_micro_batch": rows_single, "mode": mode,
