@@ -13,6 +13,7 @@
 # Needs the wheels of scripts/device/wheels.sh (torchao is among them): carry [".whl"]. Where torchao is missing on
 # the device its two sides are left out with one line and the others run.
 #   run:   bash experiments/peers/bench_all_sides.sh        (AGAINST=a,b replaces the reference sides; STEPS, WARMUP)
+#   PROFILE=1 adds one profiled step per side (bench.profile=true), its traces to $OUT/..._profiles.tgz
 #   check: DRY=1 bash experiments/peers/bench_all_sides.sh  prints the bench's overrides, one a line, and exits
 #          (tests/test_peers.py composes and validates them on CPU)
 # Out: $OUT/peers_8b_proxy_gbs8_bench.json (written after every side's block: a call cut short keeps what was timed)
@@ -32,6 +33,7 @@ fi
 ARGS=($PROXY_GBS8 hardware=h200 train.deterministic=false "bench.against=[$AGAINST]"
       "bench.candidate={engine.fp8:tensorwise}" bench.interleave=once bench.single_micro_batch=true
       bench.steps=${STEPS:-6} bench.warmup=${WARMUP:-2} parallel.timeout_s=60)
+[ -n "${PROFILE:-}" ] && ARGS+=(bench.profile=true)  # one profiled untimed step per side: where each side's time goes
 if [ -n "${DRY:-}" ]; then
   printf '%s\n' "${ARGS[@]}"
   exit 0
@@ -42,6 +44,9 @@ timeout $(( $(left) - 15 )) python3 -m forgetrain.bench "${ARGS[@]}" bench.out_d
   | tee /tmp/peers.log | grep --line-buffered -E "^\[block\]|^error|cannot run|out of memory|^note|^wrote"
 cp /tmp/peers.log "$OUT/peers_8b_proxy_gbs8.log"
 cp /tmp/peers/bench.json "$OUT/peers_8b_proxy_gbs8_bench.json" 2>/dev/null
+if [ -n "${PROFILE:-}" ]; then  # the Chrome traces, in one archive (the per-category table is in bench.json)
+  (cd /tmp/peers && ls profile_* >/dev/null 2>&1 && tar czf "$OUT/peers_8b_proxy_gbs8_profiles.tgz" profile_*)
+fi
 python3 - <<'PY'
 import json, os
 
