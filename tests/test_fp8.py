@@ -259,3 +259,87 @@ def test_the_run_banner_names_fp8(tmp_path):
     p = _train(tmp_path / "run", "engine.fp8=tensorwise", "train.steps=2")
     assert p.returncode == 0 and "bf16 (FP8 GEMMs in the decoder layers: engine.fp8=tensorwise) on cpu" in p.stderr, \
         p.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ the LM head (engine.fp8_lm_head)
+def _head_operands(seed: int = 0):
+    """h [40, 64] bf16 (40 tokens: padded to 48 inside), w [160, 64] bf16, labels [40]."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(160, 64, generator=g) * 0.2).to(torch.bfloat16)
+    return h, w, torch.randint(0, 160, (40,), generator=g)
+
+
+def _head_errors(chunk: int = 16) -> tuple[float, float, float]:
+    """Relative errors of (per-token loss, dh, dw) of the chunked cross-entropy with FP8 head GEMMs against fp64."""
+    from scenarios.llama1b_h200.fast import ChunkedLinearCE
+
+    h, w, labels = _head_operands()
+    hq, wq = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, tok = ChunkedLinearCE.apply(hq, wq, labels, chunk, None, None, None, "torch", True)
+    loss.backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    tok64 = F.cross_entropy(h64 @ w64.t(), labels, reduction="none")
+    tok64.mean().backward()
+    return _rel(tok, tok64), _rel(hq.grad, h64.grad), _rel(wq.grad, w64.grad)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_fp8_lm_head_is_within_the_fp8_rounding_bound(chunk):
+    """The loss is bounded by the logits' forward error (e4m3 x e4m3); d(h) and d(W) by a backward GEMM's (e5m2 x
+    e4m3), the bounds of :class:`fp8.Fp8Linear` (module doc): the logits' error reaches g = softmax - onehot only
+    damped by the softmax, so each backward GEMM's own rounding dominates (measured here: 0.066 against the 0.059
+    that the bound's 1.5x covers). Several chunks (16 tokens) or one (64)."""
+    el, edh, edw = _head_errors(chunk)
+    assert 0 < el < FWD_BOUND and 0 < edh < BWD_BOUND and 0 < edw < BWD_BOUND, (el, edh, edw)
+
+
+@pytest.mark.parametrize("bug", [_wrong_scale, _truncating])
+def test_the_head_bound_rejects_a_wrong_quantisation(bug, monkeypatch):
+    monkeypatch.setattr(fp8, "quantize", bug)
+    el, edh, edw = _head_errors()
+    assert not (el < FWD_BOUND and edh < BWD_BOUND and edw < BWD_BOUND), (el, edh, edw)
+
+
+def test_fp8_lm_head_weight_gradient_goes_to_main_grad_scaled_overwriting_then_adding():
+    """Under gradient accumulation fusion the head's dW goes to main_grad times the loss scale (1/n): the first
+    micro-batch overwrites it (stale NaN cannot leak), the next adds; equal to the unfused FP8 head's gradient."""
+    from scenarios.llama1b_h200.fast import ChunkedLinearCE
+    from scenarios.llama1b_h200.wgrad import WGradAccum
+
+    h, w, labels = _head_operands()
+    wq = w.clone().requires_grad_()
+    loss, _ = ChunkedLinearCE.apply(h, wq, labels, 16, None, None, None, "torch", True)
+    (loss * 0.5).backward()
+    mg = torch.full(w.shape, float("nan"))
+    wf = w.clone().requires_grad_()
+    loss, _ = ChunkedLinearCE.apply(h, wf, labels, 16, mg, WGradAccum(True, 0.5, "fp32_upcast"), None, "torch", True)
+    (loss * 0.5).backward()
+    assert wf.grad is None and torch.isfinite(mg).all()
+    assert _rel(mg, wq.grad.float()) < 1e-2  # the unfused gradient is rounded to bf16 once
+    first = mg.clone()
+    ChunkedLinearCE.apply(h, wf, labels, 16, mg, WGradAccum(False, 0.5, "fp32_upcast"), None, "torch", True)
+    torch.testing.assert_close(mg, first + first, rtol=1e-6, atol=0)  # chunk by chunk onto it: fp32 rounding only
+
+
+def test_engine_trains_with_the_fp8_lm_head_close_and_not_equal(tmp_path):
+    """engine.fp8_lm_head=true changes the run (the switch is honoured) and stays within 1% of FP8 without it."""
+    a = _train(tmp_path / "fp8", "engine.fp8=tensorwise")
+    b = _train(tmp_path / "head", "engine.fp8=tensorwise", "engine.fp8_lm_head=true")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    assert "FP8 GEMMs in the decoder layers and the LM head" in b.stderr
+    la, lb = _losses(tmp_path / "fp8"), _losses(tmp_path / "head")
+    assert len(la) == len(lb) == 4 and la != lb
+    assert max(abs(x - y) / x for x, y in zip(la, lb)) < 0.01, (la, lb)
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["engine.fp8_lm_head=true"], "engine.fp8_lm_head=true needs engine.fp8=tensorwise and "
+                                  "kernels.cross_entropy=chunked"),
+    (["engine.fp8=tensorwise", "engine.fp8_lm_head=true", "kernels.cross_entropy=torch"],
+     "got engine.fp8=tensorwise, kernels.cross_entropy=torch"),
+    (["engine.fp8=tensorwise", "engine.fp8_lm_head=true", "model.vocab_size=4104"],
+     "engine.fp8 needs linear dimensions that are multiples of 16"),
+])
+def test_bad_fp8_lm_head_config_is_one_error_line_and_writes_nothing(extra, msg, tmp_path):
+    test_bad_fp8_config_is_one_error_line_and_writes_nothing(extra, msg, tmp_path)

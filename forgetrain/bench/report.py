@@ -119,14 +119,21 @@ def candidate_line(candidate: dict, times: dict) -> str:
 
 
 def fp8_notes(info: dict) -> list[str]:
-    """One ``note:`` line per side whose engine info (``bench_info``) says it runs FP8 GEMMs (``engine.fp8``):
-    its MFU still counts the model's FLOPs against the peak every side is counted against (on a GPU the bf16 dense
-    peak: the convention torchtitan reports its float8 runs under; on CPU a measured matmul rate), so it is not a
-    utilisation of an FP8 peak. What applies FP8 is the info's ``fp8_by`` (the torchao sides), else engine.fp8."""
-    return [f"note: side '{name}' runs its decoder layers' GEMMs in FP8 "
-            f"({i.get('fp8_by') or 'engine.fp8=' + i['fp8']}); its MFU is counted against the same peak as every "
-            f"side's (a GPU's bf16 dense peak), not an FP8 peak"
-            for name, i in info.items() if i and i.get("fp8", "none") != "none"]
+    """One ``note:`` line per side whose engine info (``bench_info``) says it runs FP8 GEMMs (``engine.fp8``, and
+    ``engine.fp8_lm_head`` for the LM head's): its MFU still counts the model's FLOPs against the peak every side is
+    counted against (on a GPU the bf16 dense peak: the convention torchtitan reports its float8 runs under; on CPU a
+    measured matmul rate), so it is not a utilisation of an FP8 peak. What applies FP8 is the info's ``fp8_by``
+    (the torchao sides), else engine.fp8."""
+    notes = []
+    for name, i in info.items():
+        if not i or i.get("fp8", "none") == "none":
+            continue
+        head = bool(i.get("fp8_lm_head"))
+        where = "decoder layers' and LM head's" if head else "decoder layers'"
+        how = i.get("fp8_by") or f"engine.fp8={i['fp8']}" + (" engine.fp8_lm_head=true" if head else "")
+        notes.append(f"note: side '{name}' runs its {where} GEMMs in FP8 ({how}); its MFU is counted against the "
+                     f"same peak as every side's (a GPU's bf16 dense peak), not an FP8 peak")
+    return notes
 
 
 def report_rows(title: str, cfg: RunConfig, b: BenchConfig, mode: str, times: dict) -> list[dict]:

@@ -247,6 +247,10 @@ def _check_engine_options(cfg: RunConfig, reference: bool) -> None:
     if cfg.engine.fp8 != "none" and cfg.engine.mode != "fast":
         raise ConfigError(f"engine.fp8={cfg.engine.fp8} needs engine.mode=fast (exact mode is the bitwise "
                           "mirror of Megatron-core's GEMMs); drop engine.fp8 or set engine.fp8=none")
+    if cfg.engine.fp8_lm_head and (cfg.engine.fp8 == "none" or cfg.kernels.cross_entropy != "chunked"):
+        raise ConfigError("engine.fp8_lm_head=true needs engine.fp8=tensorwise and kernels.cross_entropy=chunked (the "
+                          f"LM head's FP8 GEMMs run in the chunked cross-entropy); got engine.fp8={cfg.engine.fp8}, "
+                          f"kernels.cross_entropy={cfg.kernels.cross_entropy}")
     if cfg.engine.free_qkv and cfg.engine.mode != "fast":
         raise ConfigError("engine.free_qkv=true needs engine.mode=fast (exact mode's attention is Megatron's "
                           "unfused one)" + preset("engine.free_qkv"))

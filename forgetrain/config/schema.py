@@ -179,6 +179,10 @@ class EngineOptions:
     # operands: none | tensorwise (dynamic per-tensor scaling: e4m3 activations and weights, e5m2 gradients; the
     # embedding, LM head, attention and norms stay bf16). Loss-curve tier (optimisations.yaml: fp8_linear)
     fp8: str = "none"
+    # fast mode, with engine.fp8 != none and kernels.cross_entropy=chunked: the LM head's three GEMMs (logits, d(h),
+    # d(W)) per cross-entropy chunk run with FP8 operands too, by engine.fp8's recipe; the cross-entropy stays fp32.
+    # Loss-curve tier (optimisations.yaml: fp8_lm_head)
+    fp8_lm_head: bool = False
     # fast mode, kernels.adamw=triton, no ZeRO: the optimizer step as one pass: the grad norm stays on the device,
     # clipping is folded into the Triton AdamW kernel (no clip pass, no host sync before it) and the kernel writes
     # the bf16 model weights itself (no separate fp32 -> bf16 copy). Tolerance tier (optimisations.yaml)

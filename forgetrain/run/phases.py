@@ -146,7 +146,8 @@ def open_sinks(run: Run) -> None:
         n = param_counts(cfg.model)
         dp, ga = run.dp, run.ga
         who = f"scenario {name}, engine {cfg.scenario.engine}" if kind == "scenarios" else f"{kind}/{name}"
-        fp8 = (f" (FP8 GEMMs in the decoder layers: engine.fp8={cfg.engine.fp8})"
+        where = "the decoder layers and the LM head" if cfg.engine.fp8_lm_head else "the decoder layers"
+        fp8 = (f" (FP8 GEMMs in {where}: engine.fp8={cfg.engine.fp8})"
                if kind == "scenarios" and cfg.engine.mode == "fast" and cfg.engine.fp8 != "none" else "")
         print(f"forgetrain: {who} | {n['total'] / 1e6:.2f}M params | DP{dp} TP{p.tensor_parallel_size} | "
               f"micro-batch {t.micro_batch_size} x grad-accum {ga} x DP {dp} = global batch {t.global_batch_size} | "

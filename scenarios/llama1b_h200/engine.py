@@ -133,6 +133,8 @@ class Engine:
             for i, o in ((m.hidden_size, qkv), (m.num_attention_heads * d, m.hidden_size),
                          (m.hidden_size, 2 * m.ffn_hidden_size), (m.ffn_hidden_size, m.hidden_size)):
                 fp8.check_shape(i, o)
+            if self.opts.fp8_lm_head:
+                fp8.check_shape(m.hidden_size, m.vocab_size)
         except ValueError as e:
             raise ConfigError(f"{e}; set engine.fp8=none") from None
 
@@ -197,9 +199,11 @@ class Engine:
     def bench_info(self) -> dict:
         """What ``forgetrain.bench`` records about this engine: the gradient-accumulation path (None: unfused), the
         activation recompute (and how many layers it covers; None: all), where the layers' bf16 weights live and
-        the GEMM precision of the decoder layers' linear layers (``fp8``: engine.fp8, "none" for bf16)."""
+        the GEMM precision of the decoder layers' linear layers (``fp8``: engine.fp8, "none" for bf16) and whether the
+        LM head's GEMMs run in FP8 too (``fp8_lm_head``)."""
         return {"grad_accum_fusion": self.grad_accum_path, "recompute": self.opts.recompute,
                 "fp8": self.opts.fp8 if self.fast else "none",
+                "fp8_lm_head": bool(self.fast and self.opts.fp8 != "none" and self.opts.fp8_lm_head),
                 "recompute_num_layers": self.opts.recompute_num_layers,
                 "optimizer_offload_fraction": self.opts.optimizer_offload_fraction,
                 "bf16_weights": self.opts.bf16_weights if self.bf16 else None}

@@ -14,7 +14,7 @@ departure from the exact path changes reduction order, so this model targets the
 * with ``engine.grad_accum_fusion`` the weight gradients of the linear layers, the LM head and the embedding go
   straight into the engine's fp32 ``main_grad`` (``wgrad.py``; tolerance tier);
 * with ``engine.fp8=tensorwise`` the decoder layers' four linear layers run their GEMMs with FP8 operands
-  (``fp8.py``; loss-curve tier).
+  (``fp8.py``; loss-curve tier); with ``engine.fp8_lm_head=true`` also the LM head's, chunk by chunk.
 
 Shapes: b micro-batch, s sequence, h hidden, d head dim, V vocab.
 """
@@ -158,7 +158,7 @@ def _ce_fn(device: torch.device, options: dict | None = None, kernel: str = "tor
     return _ce_chunk_compiled[key]
 
 
-class _ChunkedLinearCE(torch.autograd.Function):
+class ChunkedLinearCE(torch.autograd.Function):
     """Mean cross-entropy of ``h [N, h] @ W[V, h]^T`` against ``labels [N]``, chunked over tokens.
 
     The forward computes each chunk's logits, its loss and (softmax - onehot) / N, and immediately the chunk's
@@ -167,20 +167,37 @@ class _ChunkedLinearCE(torch.autograd.Function):
     With ``main_grad`` (fp32 ``[V, h]``) and ``acc`` (gradient accumulation fusion) each chunk's dW GEMM goes
     straight into ``main_grad`` instead, scaled by ``acc.scale`` -- which must be the ``dloss`` the backward will
     receive (``train_step``'s ``1 / n``): dW is formed before ``dloss`` exists -- and ``w`` gets no gradient.
-    ``ce_kernel`` (``kernels.ce_chunk``) picks the per-chunk cross-entropy (:func:`_ce_fn`).
+    ``ce_kernel`` (``kernels.ce_chunk``) picks the per-chunk cross-entropy (:func:`_ce_fn`). With ``fp8_head``
+    (``engine.fp8_lm_head``) each chunk's three GEMMs run with FP8 operands (``fp8.HeadWeight``); the
+    cross-entropy itself stays fp32 on the bf16 logits.
     Returns (mean loss, per-token loss [N] fp32 detached). Formula: Megatron's max-shifted CE.
     """
 
     @staticmethod
     def forward(ctx, h, w, labels, chunk: int, main_grad=None, acc: WGradAccum | None = None,
-                options: dict | None = None, ce_kernel: str = "torch"):
+                options: dict | None = None, ce_kernel: str = "torch", fp8_head: bool = False):
         n = h.shape[0]
         fn = _ce_fn(h.device, options, ce_kernel)
         dh = torch.empty_like(h)
         losses = torch.empty(n, dtype=torch.float32, device=h.device)
         dw = None
+        head = fp8.HeadWeight(w) if fp8_head else None
         for i in range(0, n, chunk):
             hc, lc = h[i:i + chunk], labels[i:i + chunk]
+            if head is not None:
+                logits, x8, sx = head.logits(hc)
+                loss, g = fn(logits, lc, 1.0 / n)
+                losses[i:i + chunk] = loss
+                dh[i:i + chunk], g8, sg = head.dh(g)
+                part = head.dw(g8, sg, x8, sx)  # fp32 [V, h]
+                if acc is not None:  # main_grad (+)= dloss * dW, as wgrad.gemm_accumulate forms it
+                    if acc.first and i == 0:
+                        torch.mul(part, acc.scale, out=main_grad)
+                    else:
+                        main_grad.add_(part, alpha=acc.scale)
+                    continue
+                dw = part if dw is None else dw.add_(part)
+                continue
             loss, g = fn(hc @ w.t(), lc, 1.0 / n)
             losses[i:i + chunk] = loss
             dh[i:i + chunk] = g @ w
@@ -200,7 +217,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def backward(ctx, dloss, _dlosses):
         dh, dw = ctx.saved_tensors
         dw = None if dw is None else (dw * dloss).to(ctx.w_dtype)
-        return dh * dloss.to(dh.dtype), dw, None, None, None, None, None, None
+        return dh * dloss.to(dh.dtype), dw, None, None, None, None, None, None, None
 
 
 class FastLlama(nn.Module):
@@ -279,9 +296,10 @@ class FastLlama(nn.Module):
             return tok.mean(), tok.detach().view(b, s)
         if mode == "chunked":
             mg = self.main_grad.get("output_layer.weight") if acc is not None else None
-            loss, tok = _ChunkedLinearCE.apply(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
+            loss, tok = ChunkedLinearCE.apply(h.reshape(-1, hd), self.output_layer.weight, labels.reshape(-1),
                                                self.opts.ce_chunk_tokens, mg, acc if mg is not None else None,
-                                               inductor_options(self.opts), self.kernels.ce_chunk)
+                                               inductor_options(self.opts), self.kernels.ce_chunk,
+                                               getattr(self.opts, "fp8_lm_head", False))
             return loss, tok.view(b, s)
         logits = wgrad.linear(h, self.output_layer.weight, self.main_grad.get("output_layer.weight"), acc).float()
         tok = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")

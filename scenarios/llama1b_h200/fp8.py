@@ -18,7 +18,9 @@ is a power of two when ``POW2_SCALES`` is set (it is: multiplying by a power of 
 quantisation error comes from the FP8 rounding alone; torchao's ``round_scales_to_power_of_2``).
 
 What stays in bf16: the embedding, the LM head and its cross-entropy (the logits' precision matters most; FP8
-recipes exclude the output layer), attention's score and value products (SDPA), the norms and SwiGLU. Saved for the
+recipes exclude the output layer), attention's score and value products (SDPA), the norms and SwiGLU. The LM head's
+three GEMMs can run in FP8 too with ``engine.fp8_lm_head=true`` (:class:`HeadWeight`, the chunked cross-entropy of
+``fast.py``; its own loss-curve entry, ``fp8_lm_head``): the LM head is about a third of an 8B-proxy step's FLOPs. Saved for the
 backward: ``x`` (transposed) and ``w`` in e4m3 with their scales (1 byte per element instead of 2).
 
 Tier: **loss_curve**. FP8 rounding of every GEMM operand changes each step's numbers by far more than the
@@ -141,3 +143,29 @@ class Fp8Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, w: torch.Tensor, main_grad: torch.Tensor | None = None, overwrite: bool = False):
     """``F.linear(x, w)`` with FP8 GEMMs (:class:`Fp8Linear`); ``x [..., in]``, ``w [out, in]`` -> ``[..., out]``."""
     return Fp8Linear.apply(x, w, main_grad, overwrite)
+
+
+class HeadWeight:
+    """The LM head's weight ``w [V, h]`` in e4m3 for one forward of the chunked cross-entropy
+    (``engine.fp8_lm_head``): quantised once, then each token chunk's three GEMMs run in FP8 with the recipe above.
+
+    ``logits(hc)``: ``hc [n, h]`` -> (``[n, V]`` in hc's dtype, the chunk's e4m3 operand and scale);
+    ``dh(g)``: ``g [n, V]`` (d loss / d logits) -> (``[n, h]`` in g's dtype, g's e5m2 operand and scale);
+    ``dw(g8, sg, x8, sx, n)``: the chunk's weight gradient ``g^T hc`` ``[V, h]`` in fp32 from those operands.
+    Rows are padded to a multiple of 16 as in :class:`Fp8Linear` (exact) and cut off again."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w8, self.sw = quantize(w, E4M3)  # [V, h] row-major: w8.t() is the logits GEMM's column-major operand
+        self.w8_col = _col_major(self.w8)  # [V, h] column-major: the operand of d(h) = g @ w
+
+    def logits(self, hc: torch.Tensor):
+        x8, sx = quantize(_pad_rows(hc), E4M3)
+        return _mm(x8, sx, self.w8.t(), self.sw, hc.dtype)[:hc.shape[0]], x8, sx
+
+    def dh(self, g: torch.Tensor):
+        g8, sg = quantize(_pad_rows(g), E5M2)
+        return _mm(g8, sg, self.w8_col, self.sw, g.dtype)[:g.shape[0]], g8, sg
+
+    @staticmethod
+    def dw(g8: torch.Tensor, sg: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        return wgrad(g8.t().contiguous(), sg, x8.t().contiguous(), sx)  # padded rows are zero in both: exact
