@@ -1,7 +1,7 @@
 """Causal SDPA forward + backward at one attention shape, timed per input layout and backend (the performance
 issue's attention-backward lever: "a knob, a layout, or a kernel"). Run on the GPU:
 
-    python3 scripts/device/attn_layouts.py [--seq 8192] [--heads 32] [--kv-heads 8] [--head-dim 128] [--batch 1]
+    python3 experiments/attention/layouts_h200.py [--seq 8192] [--heads 32] [--kv-heads 8] [--head-dim 128] [--batch 1]
 
 Prints one row per variant and writes attn_layouts.json to $OUT (or the working directory). TFLOP/s count the causal
 forward as 2 * b * h * s^2 * d (half of the 4 * b * h * s^2 * d of full attention) and the backward as 2.5x the
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        print("error: attn_layouts.py needs a CUDA device", file=sys.stderr)
+        print("error: layouts_h200.py needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     b, s, nq, nkv, d = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Device call 6 (one H200): the h200 golden reference traces (issue 3). The Megatron-core reference runs the
-# llama_micro shape on the GPU in bf16 and fp32 (deterministic), is stored as a golden under
-# references/goldens/h200/, and the forged Hopper engine (exact mode) is judged twice: live and against the stored
-# golden. Then, with whatever time is left, kernel validation on the GPU at full shapes (no bench).
-#   run: bash scripts/device/call6_golden_h200.sh   (carry [".whl"]); brings back $OUT/goldens_h200.tar
-# and $OUT/call6_json.tgz (every verdict and validation JSON; extract under docs/device_runs/<date>/)
+# Exact mode bitwise on one H200, live and against the stored goldens. The Megatron-core reference runs the
+# llama_micro shape (G of scripts/device/shapes.sh) on the GPU in bf16 and fp32 (deterministic), is stored as a
+# golden under references/goldens/h200/, and the forged Hopper engine (exact mode) is judged twice: live and against
+# the stored golden. Then, with the time left, each Triton kernel is validated on the GPU at full shapes (no bench).
+#   run: bash experiments/bitwise/goldens_h200.sh   (carry [".whl"]); brings back $OUT/goldens_h200.tar
+# and $OUT/bitwise_json.tgz (every verdict and validation JSON; extract under experiments/bitwise/results/<date>_h200/)
 set -u
 . scripts/device/setup.sh
 ts() { date +%H:%M:%S; }
@@ -27,5 +27,5 @@ for k in rmsnorm cross_entropy swiglu rope adamw; do
     --json /tmp/c6/validate_$k.json 2>&1 | tail -4
 done
 # one archive: the device returns at most 8 files
-tar czf $OUT/call6_json.tgz -C /tmp c6
+tar czf $OUT/bitwise_json.tgz -C /tmp c6
 echo "$(ts) done"

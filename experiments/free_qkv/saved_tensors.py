@@ -13,7 +13,7 @@ layer's input x is excluded from the total as the caller owns it (the estimate c
 
 Usage (GPU; the defaults are Llama-3-8B's layer at seq 8192, micro-batch 1)::
 
-    python3 scripts/device/saved_tensors.py [--hidden 4096 --ffn 14336 --heads 32 --groups 8 --head-dim 128
+    python3 experiments/free_qkv/saved_tensors.py [--hidden 4096 --ffn 14336 --heads 32 --groups 8 --head-dim 128
         --seq 8192 --batch 1] [--eager] [--fused] [--free-qkv] [--fp8] [--json PATH]
 
 ``--fp8`` runs its four linear layers in FP8 (``engine.fp8=tensorwise``). On a GPU the allocator's count (what the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 14 (one H200): the kernel forge (issue 17) end to end on the GPU, with a scripted agent.
+# The kernel forge end to end on one H200, with a scripted agent.
 #   The starting reference is a deliberately slowed swiglu (forward and backward kernels each launched 3 times:
 #   same outputs, 3x the memory traffic), given as forge.seed_from; the honest kernel of forgetrain/kernels/swiglu.py
 #   is the "known-faster variant" the agent swaps in.
@@ -12,7 +12,8 @@
 #          round 1 the agent writes the slowed kernel back -> FAIL at speed; the store keeps run 1's kernel.
 # Expected last lines: "run1: sealed <sha>", "run2: exhausted; store reference <same sha>", "CHAIN OK".
 # Brings back: both runs' forge_log.jsonl, the gate results, run 2's BRIEF.md, the store's registry.json, the
-# knowledge base, as one call14.tgz. (Measured 2026-12-02: 434 s, run 1 400 s of it; carry [".whl"])   run(command="bash scripts/device/call14_kernel_forge_h200.sh")
+# knowledge base, as one forge_chain.tgz. About 7-8 min (run 1 most of it).
+#   run: bash experiments/kernels/forge_chain_h200.sh   (carry [".whl"])
 set -u
 . scripts/device/setup.sh
 K=/tmp/kf
@@ -44,16 +45,16 @@ timeout $(left) python3 -m forgetrain.forge $S forge.seed_from=$K/swiglu_slow.py
 echo "$(ts) == run 2 ($(left) s left)"
 timeout $(left) python3 -m forgetrain.forge $S forge.max_rounds=1 "agent.command=$AGENT $K/plan2.json" \
   forge.out_dir=$K/run2 hydra.run.dir=$K/h2 2>&1 | filt 8
-# one tar: nine files would pass the device's limit of 8 returned files (2026-12-02: the registry was left out)
-mkdir -p /tmp/call14
+# one tar: nine files would pass the device's limit of 8 returned files
+mkdir -p /tmp/forge_chain
 for r in run1 run2; do
-  cp $K/$r/forge_log.jsonl /tmp/call14/call14_${r}_forge_log.jsonl 2>/dev/null
-  for d in $K/$r/rounds/*; do cp $d/gate_result.json /tmp/call14/call14_${r}_round$(basename $d)_gate.json 2>/dev/null; done
+  cp $K/$r/forge_log.jsonl /tmp/forge_chain/forge_chain_${r}_forge_log.jsonl 2>/dev/null
+  for d in $K/$r/rounds/*; do cp $d/gate_result.json /tmp/forge_chain/forge_chain_${r}_round$(basename $d)_gate.json 2>/dev/null; done
 done
-cp $K/run2/rounds/1/BRIEF.md /tmp/call14/call14_run2_BRIEF.md 2>/dev/null
-cp $K/store/registry.json /tmp/call14/call14_store_registry.json 2>/dev/null
-cp $K/kb.jsonl /tmp/call14/call14_kb.jsonl 2>/dev/null
-tar czf $OUT/call14.tgz -C /tmp call14
+cp $K/run2/rounds/1/BRIEF.md /tmp/forge_chain/forge_chain_run2_BRIEF.md 2>/dev/null
+cp $K/store/registry.json /tmp/forge_chain/forge_chain_store_registry.json 2>/dev/null
+cp $K/kb.jsonl /tmp/forge_chain/forge_chain_kb.jsonl 2>/dev/null
+tar czf $OUT/forge_chain.tgz -C /tmp forge_chain
 python3 - "$K" <<'PY'
 import json, sys
 k = sys.argv[1]

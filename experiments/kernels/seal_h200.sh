@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device call: validate every forged kernel at the full scenario shapes (fwd + bwd vs the fp64 oracle, beside
-# the op it replaces), benchmark the passing ones against the replaced op and torch.compile of it, and seal them.
+# Validate every forged kernel at the full scenario shapes on one H200 (fwd + bwd vs the fp64 oracle, beside the op
+# it replaces), benchmark the passing ones against the replaced op and torch.compile of it, and seal them.
 #
 # Run on the lent GPU machine from the repo root (no wheels needed: forgetrain.kernels uses only torch, triton,
 # numpy and pyyaml, all present there):
-#     bash scripts/device/kernels_bench.sh
+#     bash experiments/kernels/seal_h200.sh            (KERNELS="adamw ce_chunk" picks kernels)
 # Results under $OUT (4 files, within the device tool's limits):
 #     kernels.json   {kernel: {"validation": report, "bench": timings}} merged over kernels
 #     registry.json  forgetrain/kernels/registry.json with the new cuda seals (copy it back into the repo)
@@ -12,7 +12,7 @@
 # Each kernel runs in its own process under its own time limit (below; about 8 minutes in all, so the call fits
 # the device tool's 10-minute limit), so one slow torch.compile cannot take the others' numbers with it; partial
 # JSON is written after every benchmark case.
-# Device call: run(command="bash scripts/device/kernels_bench.sh", timeout_s=600)
+#   run(command="bash experiments/kernels/seal_h200.sh", timeout_s=600)
 set -uo pipefail
 OUT=${OUT:-/tmp/kernels_bench_out}
 mkdir -p "$OUT"
