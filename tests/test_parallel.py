@@ -126,7 +126,7 @@ def layout_tolerance() -> dict:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
-    """The session's data cache (as tests/conftest.py sets it), handed to the torchrun children."""
+    """The test run's data cache (as tests/conftest.py sets it), handed to the torchrun children."""
     return _cache(tmp_path_factory)
 
 

@@ -35,7 +35,7 @@ from forgetrain.kernels.spec import KernelSpec, nbytes, tree_map
 CEILINGS = {
     "memory_GBps": 4300.0,   # H200 device-to-device copy (docs/device.md, "Ceilings measured on the H200")
     "compute_TFLOPs": 790.0,  # H200 bf16 8192^3 matmul, same source (760 median of 30, ~794 first products)
-    "source": "docs/device.md (H200, measured 2026-11-29)",
+    "source": "docs/device.md (Ceilings measured on the H200)",
 }
 
 
