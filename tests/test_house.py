@@ -6,11 +6,17 @@
 - ``experiments/`` is a one-way dependency: nothing in the harness, the engines, the references or ``conf/``
   imports it or names a path in it from code.
 - ``scripts/device/`` keeps the device helpers only, and every experiment and command the docs name exists.
+
+One kind of product file is left out of the narration scan: a kernel module that a seal in
+``forgetrain/kernels/registry.json`` vouches for, byte for byte. Editing it, a comment included, makes its seals
+STALE until it is sealed again on every device (CUDA needs the GPU); its text waits for that reseal.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -32,6 +38,18 @@ WORK_LOG = re.compile(rf"\b(?:{ORDINALS}) (?:sess" rf"ion|lease|fix|attempt|devi
 NOTEBOOK_REF = re.compile(r"\[[^\]]*\]\([^)]*experiments/[^)]*\)|\S*experiments/\S*")
 
 
+def _sealed_sources() -> set[str]:
+    """The kernel modules whose current bytes a seal vouches for (their sha256 is a seal's ``source_sha256``)."""
+    reg = json.loads((ROOT / "forgetrain" / "kernels" / "registry.json").read_text())
+    out = set()
+    for devices in reg["kernels"].values():
+        for seal in devices.values():
+            f, sha = seal.get("source_file"), seal.get("source_sha256")
+            if f and (ROOT / f).is_file() and hashlib.sha256((ROOT / f).read_bytes()).hexdigest() == sha:
+                out.add(f)
+    return out
+
+
 def _product_files() -> list[Path]:
     try:
         out = subprocess.run(["git", "ls-files", "--", *PRODUCT], cwd=ROOT, capture_output=True, text=True,
@@ -39,10 +57,10 @@ def _product_files() -> list[Path]:
         files = [ROOT / f for f in out]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the tree
         files = [p for top in PRODUCT for p in ([ROOT / top] if (ROOT / top).is_file() else (ROOT / top).rglob("*"))]
-    keep = []
+    keep, sealed = [], _sealed_sources()
     for p in files:
         rel = p.relative_to(ROOT).as_posix()
-        if not p.is_file() or "__pycache__" in rel or p.suffix not in TEXT:
+        if not p.is_file() or "__pycache__" in rel or p.suffix not in TEXT or rel in sealed:
             continue
         if rel.startswith("references/goldens/") and p.name != "README.md":
             continue  # a golden's files are its data
@@ -89,6 +107,12 @@ def test_no_product_line_narrates_history():
 ])
 def test_the_scan_tells_narration_from_references(line, narrates):
     assert bool(narration(line)) is narrates
+
+
+def test_only_sealed_kernel_modules_are_left_out():
+    """The sealed-source exemption covers kernel modules only, and only while their seal holds."""
+    sealed = _sealed_sources()
+    assert sealed and all(f.startswith("forgetrain/kernels/") and f.endswith(".py") for f in sealed)
 
 
 def _py_files(*tops: str) -> list[Path]:

@@ -13,8 +13,8 @@ Two entry points share the forward kernel and the backward's arithmetic (``_swig
 and ``swiglu_packed(x)`` for the fused fc1 output ``x = [gate | up]`` ``[..., 2F]``, whose backward kernel writes both
 halves of ``dx``, passed whole, in one pass. With
 ``swiglu`` on ``x.chunk(2, -1)``, autograd's chunk backward concatenates ``dgate`` and ``dup`` into ``dx``: one more
-read and write of ``[tokens, 2F]`` per layer and micro-batch (in the H200 profile of the 8B proxy the compiled
-``cat``-fused SwiGLU backward moved its data at about 2 TB/s).
+read and write of ``[tokens, 2F]`` per layer and micro-batch (the H200 profile of the 8B proxy, 2026-12-02: the
+compiled ``cat``-fused SwiGLU backward moved its data at about 2 TB/s).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _swiglu_packed_bwd_kernel(DY, X, DX, stride_dy, stride_x, stride_dx, n_cols,
     """The packed backward: gate and up are columns [0, F) and [F, 2F) of each row of X, and dgate and dup go
     to the same columns of DX. DX is one whole tensor, not two column slices: a compiled graph clones each
     mutated slice a user Triton kernel writes and scatters it back (three copy kernels per call, 21 ms of a
-    1.06 s step of the 8B proxy on the H200), while a whole fresh tensor is written in place."""
+    1.06 s step of the 8B proxy on the H200, 2026-12-03), while a whole fresh tensor is written in place."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
