@@ -109,8 +109,8 @@ def bench(spec: KernelSpec, device: str | torch.device = "cuda", shapes: str | l
     """
     device = torch.device(device)
     if device.type != "cuda" and not allow_cpu:
-        raise BenchSkipped("bench: skipped: benchmarks need a CUDA device (use the device machine: "
-                           "scripts/device/kernels_bench.sh)")
+        raise BenchSkipped("bench: skipped: benchmarks need a CUDA device (on the GPU machine: "
+                           "docs/kernels.md, 'Seals')")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchSkipped("bench: skipped: --device cuda but torch sees no CUDA device")
     grid = spec.grid(shapes) if isinstance(shapes, str) else list(shapes)
