@@ -31,7 +31,7 @@ TEXT = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".cfg", ".ini", ".txt", "
 DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 DEVICE_CALL = re.compile(r"\bcalls? ?\d+", re.I)
 PERIOD = re.compile(r"(?<![\w.])sess" r"ions?\b", re.I)  # not start_new_..., request.<...>
-PROCESS_GROUPS = re.compile(r"sess" r"ions? of (?:its|their) own|their own sess" r"ions", re.I)  # POSIX process groups
+PROCESS_GROUPS = re.compile(r"sess" r"ions? of (?:its|their) own", re.I)  # POSIX process groups
 ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
 WORK_LOG = re.compile(rf"\b(?:{ORDINALS}) (?:sess" rf"ion|lease|fix|attempt|device call)\b", re.I)
 # a reference into the notebook: a markdown link whose target is under experiments/, or a bare path there
@@ -70,11 +70,14 @@ def _product_files() -> list[Path]:
 
 def narration(text: str) -> list[tuple[int, str]]:
     """The lines of ``text`` that narrate a work period or a device run, with their numbers."""
+    lines = text.splitlines()
     hits = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         bare = NOTEBOOK_REF.sub(" ", line)
-        bare = PROCESS_GROUPS.sub(" ", bare)
-        if DATE.search(bare) or DEVICE_CALL.search(bare) or PERIOD.search(bare) or WORK_LOG.search(bare):
+        # a POSIX process group's phrase may run on to the next line
+        joined = bare + " " + (lines[n].strip() if n < len(lines) else "")
+        periods = [m for m in PERIOD.finditer(bare) if not PROCESS_GROUPS.match(joined, m.start())]
+        if DATE.search(bare) or DEVICE_CALL.search(bare) or periods or WORK_LOG.search(bare):
             hits.append((n, line.strip()[:160]))
     return hits
 
@@ -102,6 +105,8 @@ def test_no_product_line_narrates_history():
     ("subprocess.Popen(cmd, start_new_sess" "ion=True)", False),
     ("for item in request.sess" "ion.items:", False),
     ("ends the sides it started in sess" "ions of their own", False),
+    ("ends the sides it started in sess" "ions of\ntheir own", False),
+    ("torchrun starts its workers in their own sess" "ions", True),
     ("the first micro-batch overwrites, the second call adds", False),
     ("32 calls of 0.60 ms each", False),
 ])

@@ -522,7 +522,7 @@ def test_lost_rank_ends_the_job_with_a_clear_message(cache, tmp_path, how):
     finally:
         for p in procs:
             _kill_group(p)
-        for pid in workers:  # torchrun starts its workers in their own sessions; a stopped one outlives it
+        for pid in workers:  # torchrun starts each worker in a session of its own; a stopped one outlives it
             try:
                 if "forgetrain" in Path(f"/proc/{pid}/cmdline").read_text():
                     os.kill(pid, signal.SIGKILL)

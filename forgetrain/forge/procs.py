@@ -175,8 +175,8 @@ def run_group(cmd, *, cwd: Path, env: dict, timeout_s: float | None, stdin=None,
 
 def kill_active(*_) -> None:
     """SIGKILL every group this process started and has not reaped; then exit 143. Installed as the ladder's
-    SIGTERM handler, so that killing the ladder (its time limit) also ends the sides it started, each in a
-    session of its own."""
+    SIGTERM handler, so that killing the ladder (its time limit) also ends the sides it started in sessions of
+    their own."""
     for p in list(_ACTIVE):
         try:
             os.killpg(p.pid, signal.SIGKILL)
