@@ -43,7 +43,7 @@ def _barrier() -> None:
 @contextlib.contextmanager
 def _deferred_sigint():
     """Hold Ctrl-C until the block ends, so a save is never cut in half by it; then hand it to the handler that was
-    in place (the training loop's, which stops at the step boundary: ``forgetrain.train._CtrlC``), or, when that
+    in place (the training loop's, which stops at the step boundary: ``forgetrain.run.loop.CtrlC``), or, when that
     is Python's default, raise KeyboardInterrupt."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):  # ignored (nohup, a background job): stays so

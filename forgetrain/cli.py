@@ -26,7 +26,7 @@ _HYDRA_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "--vers
 LIBRARY_WARNING_MODULES = r"(torch|megatron|deepspeed|torchtitan|transformer_engine|apex)(\..*)?$"
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Silence the reference libraries' start-up noise: their FutureWarnings (:data:`LIBRARY_WARNING_MODULES`), the
     missing Transformer Engine / Apex notices, torch.distributed's and megatron's info logs."""
     import warnings
@@ -37,6 +37,9 @@ def _quiet_libraries() -> None:
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+_quiet_libraries = quiet_libraries  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 def precheck_overrides(config_name: str, argv: list[str]) -> None:
@@ -67,7 +70,7 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
     out_dirs: dict[str, int] = {}
     for num, job in enumerate(jobs):
         try:
-            out = _check_job(config_name, job)
+            out = check_job(config_name, job)
         except ConfigError as e:
             if len(jobs) == 1:
                 raise
@@ -80,7 +83,7 @@ def precheck_overrides(config_name: str, argv: list[str]) -> None:
                               f"unset (each job gets its own directory under hydra.sweep.dir) or sweep it too")
 
 
-def _compose(config_name: str, overrides: list[str], hydra_node: bool = False, hint: bool = True):
+def compose_config(config_name: str, overrides: list[str], hydra_node: bool = False, hint: bool = True):
     """Hydra's compose API over ForgeTrain's conf dir (with the ``hydra`` node when ``hydra_node``); Hydra's and
     OmegaConf's errors become one ConfigError line (with a did-you-mean for an unknown key unless ``hint`` is
     false: the suggestion's own composition never looks for one, so a key it cannot drop costs one retry, not a
@@ -148,7 +151,7 @@ def _did_you_mean(config_name: str, overrides: list[str], bad: str) -> str | Non
 
     rest = [o for o in overrides if not related(o.lstrip("+~").split("=")[0])]
     try:
-        cfg = _compose(config_name, rest, hint=False)
+        cfg = compose_config(config_name, rest, hint=False)
     except Exception:  # noqa: BLE001 - no suggestion then
         return None
     node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -185,14 +188,14 @@ def _sweep_jobs(overrides: list[str]) -> tuple[list[list[str]], list[int]]:
     return [list(x) for x in itertools.product(*lists)], [i for i, x in enumerate(lists) if len(x) > 1]
 
 
-def _check_job(config_name: str, overrides: list[str]) -> str | None:
+def check_job(config_name: str, overrides: list[str]) -> str | None:
     """Compose one run and validate its values and output directories. Returns its train.out_dir (None when
     unset). Raises ConfigError."""
     from omegaconf import OmegaConf, open_dict
 
     from forgetrain.config import check_model_choice, check_scenario_choice, to_run_config, validate
 
-    cfg = _compose(config_name, overrides, hydra_node=True)
+    cfg = compose_config(config_name, overrides, hydra_node=True)
     choices = OmegaConf.select(cfg, "hydra.runtime.choices")
     with open_dict(cfg):
         del cfg["hydra"]
@@ -224,9 +227,9 @@ def _help(config_name: str, argv: list[str]) -> str:
         importlib.import_module(f"forgetrain.{config_name}").register()
     overrides = [a for a in argv if not a.startswith("-") and "=" in a and not a.startswith(("hydra.", "+hydra."))]
     try:
-        cfg = _compose(config_name, overrides)
+        cfg = compose_config(config_name, overrides)
     except ConfigError:
-        cfg = _compose(config_name, [])
+        cfg = compose_config(config_name, [])
     return help_text(config_name, cfg, CONF_DIR)
 
 
@@ -269,7 +272,7 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
     from forgetrain.config import register_configs
     from forgetrain.errors import ForgeTrainError, print_error
 
-    _quiet_libraries()
+    quiet_libraries()
     _triton_interpreter_default()
     argv = sys.argv[1:] if argv is None else argv
     try:

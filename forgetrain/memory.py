@@ -301,6 +301,13 @@ def host_estimate(cfg) -> MemoryEstimate:
     return replace(est, adam_moments=est.adam_moments + host)
 
 
+def per_layer_weights_possible(cfg) -> bool:
+    """Whether ``engine.bf16_weights=per_layer`` can run with ``cfg``'s precision and layout (with
+    ``engine.recompute=full``): bf16 on one GPU without ZeRO. The one statement of that precondition: validation
+    (``forgetrain.config.validate``) and the memory check's remedies read it."""
+    return cfg.train.precision == "bf16" and cfg.parallel.data_parallel_size == 1 and cfg.parallel.zero_stage == 0
+
+
 def remedies(cfg, where: str = "device") -> list[str]:
     """The settings that would lower :func:`estimate` for ``cfg`` and are not in effect yet, in the order the
     refusal names them: a smaller micro-batch, gradient accumulation fusion and the V copy (``engine.free_qkv``;
@@ -318,8 +325,6 @@ def remedies(cfg, where: str = "device") -> list[str]:
         out.append("set engine.recompute=full")
     elif e.recompute_num_layers is not None and e.recompute_num_layers < cfg.model.num_layers:
         out.append("raise engine.recompute_num_layers (or null: every layer)")
-    from forgetrain.config import per_layer_weights_possible
-
     if per_layer_weights_possible(cfg) and e.bf16_weights != "per_layer":
         out.append("set engine.bf16_weights=per_layer (with recompute)")
     if where == "device" and (e.optimizer_offload_fraction or 0) < 1:
@@ -331,10 +336,8 @@ def remedies(cfg, where: str = "device") -> list[str]:
 def leanest(cfg, where: str = "device"):
     """``cfg`` with every layout remedy of :func:`remedies` in effect (micro-batch 1, gradient accumulation fusion
     and the V copy in fast mode, full recompute of every layer, per-layer bf16 weights where they can run
-    (:func:`forgetrain.config.per_layer_weights_possible`), the whole optimizer offloaded
+    (:func:`per_layer_weights_possible`), the whole optimizer offloaded
     where the capacity is a GPU's): the smallest footprint without changing the model or the sequence."""
-    from forgetrain.config import per_layer_weights_possible
-
     e, t = cfg.engine, cfg.train
     eng = replace(e, recompute="full", recompute_num_layers=None,
                   grad_accum_fusion=e.grad_accum_fusion or e.mode == "fast",
@@ -411,8 +414,6 @@ def _without_offload_hint(cfg, capacity: int) -> str:
 
     if fits():
         return ""
-    from forgetrain.config import per_layer_weights_possible
-
     lean = {"recompute": "full", "recompute_num_layers": None}
     if per_layer_weights_possible(cfg):
         lean["bf16_weights"] = "per_layer"

@@ -119,8 +119,11 @@ def cpu_ident(cpuinfo: str) -> str | None:
     return f"{name} ({ident})" if ident else name
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     return Path(os.environ.get("FORGETRAIN_CACHE", Path.home() / ".cache" / "forgetrain"))
+
+
+_cache_dir = cache_dir  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 _RUN_PEAK: dict[str, float] = {}  # this process's peak per cache key: one run's tables share one denominator
@@ -152,7 +155,7 @@ def cpu_peak_load() -> float | None:
 
 
 def _measure_or_cached(key: str, n: int, reps: int) -> float:
-    path = _cache_dir() / "cpu_peak.json"
+    path = cache_dir() / "cpu_peak.json"
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -211,7 +214,7 @@ def implausible_mfu(hardware_cfg, mfu: float) -> str | None:
         return None
     key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
     peak = _RUN_PEAK.pop(key, None)
-    path = _cache_dir() / "cpu_peak.json"
+    path = cache_dir() / "cpu_peak.json"
     try:
         cache = json.loads(path.read_text())
         if cache.pop(key, None) is not None:

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from references.torch_compile.engine import Engine as TorchCompile
-from tests.test_ladder import _cfg as _ladder_cfg
+from tests.helpers import ladder_cfg as _ladder_cfg
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def test_bench_warns_for_a_side_without_recompute():
 
     from forgetrain.bench import recompute_warnings
     from forgetrain.config import EngineOptions
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     rc = _cfg()
     on = dataclasses.replace(rc, engine=EngineOptions(recompute="full"))

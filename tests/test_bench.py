@@ -60,7 +60,7 @@ def test_bench_one_process(tmp_path):
 
 def test_bench_under_torchrun_dp2(tmp_path):
     """Two ranks: each feeds its DP share; rank 0 alone prints the table and writes bench.json."""
-    from tests.test_parallel import _free_port
+    from tests.helpers import free_port as _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), "-m", "forgetrain.bench", *TINY, "parallel=dp2", "train.global_batch_size=8",
@@ -102,7 +102,7 @@ def test_noisy_side_is_flagged_with_one_warning_line():
     assert m["step_s_min_pct"] == pytest.approx(50.0) and m["step_s_max_pct"] == pytest.approx(115.0)
     lines = bench.noise_warnings(list(rows.values()), "headline")
     assert len(lines) == 1 and lines[0].startswith("warning: noisy timings (headline, side megatron): step_s IQR ")
-    assert "from 50% to 115% of it" in lines[0] and "forgetrain.bench.NOISY_IQR_PCT" in lines[0], lines[0]
+    assert "from 50% to 115% of it" in lines[0] and "forgetrain.bench.report.NOISY_IQR_PCT" in lines[0], lines[0]
     assert bench.noise_warnings([rows["forged"]], "headline") == [] and bench.noise_warnings(None, "x") == []
 
 
@@ -131,7 +131,7 @@ def test_step_time_is_the_slowest_ranks(tmp_path):
     """Each step's time is the MAX over ranks (the step ends with the last rank), memory the largest rank's."""
     import torch.multiprocessing as mp
 
-    from tests.test_parallel import _free_port
+    from tests.helpers import free_port as _free_port
 
     out = tmp_path / "red.json"
     mp.spawn(_reduce_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
@@ -238,7 +238,7 @@ def test_profile_check_catches_a_classifier_without_gemm(tmp_path, monkeypatch):
     b = bench.profile_step(_TinyEngine(), batch, torch.device("cpu"), tmp_path / "profile_tiny.json")
     _check_profile(b)
     assert json.loads((tmp_path / "profile_tiny.json").read_text())["traceEvents"]
-    monkeypatch.setattr(bench, "PROFILE_RULES", tuple(r for r in bench.PROFILE_RULES if r[0] != "GEMM"))
+    monkeypatch.setattr(bench.profile, "PROFILE_RULES", tuple(r for r in bench.PROFILE_RULES if r[0] != "GEMM"))
     broken = bench.profile_step(_TinyEngine(), batch, torch.device("cpu"))
     assert bench.classify("aten::addmm") == "other" and broken["categories"]["GEMM"]["ms"] == 0
     with pytest.raises(AssertionError, match="no GEMM time"):
@@ -444,9 +444,9 @@ def test_a_tiny_model_on_cpu_is_timed_interleaved_and_a_repeated_side_is_refused
     mode, _ = bench.timed_sides(_micro_cfg(), ["megatron"], steps=1,
                                 warmup=0, interleave="auto")
     assert mode == "interleaved"
-    assert bench._bytes_per_engine(_micro_cfg()) * 3 > 0.4 * 8e9  # what the fixed 8 GB limit refused
+    assert bench.bytes_per_engine(_micro_cfg()) * 3 > 0.4 * 8e9  # what the fixed 8 GB limit refused
     with pytest.raises(ConfigError, match="bench.against names megatron more than once"):
-        bench._check_bench(bench.BenchConfig(against=["megatron", "megatron"]))
+        bench.check_bench(bench.BenchConfig(against=["megatron", "megatron"]))
 
 
 def test_sequential_blocks_release_pinned_host_memory(monkeypatch):
@@ -470,7 +470,7 @@ def test_headline_is_on_disk_before_the_single_micro_batch_timing(tmp_path, monk
     import dataclasses
 
     from forgetrain import bench
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     rc = _cfg()
     rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, micro_batch_size=2, global_batch_size=8))
@@ -488,12 +488,12 @@ def test_headline_is_on_disk_before_the_single_micro_batch_timing(tmp_path, monk
     monkeypatch.setattr(bench, "timed_sides", fake_timed_sides)
     b = bench.BenchConfig(against=["megatron"], steps=2, warmup=0, out_dir=str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
-        bench._bench(rc, b, rank=0)
+        bench.run_bench(rc, b, rank=0)
     assert calls == [8, 2]
     calls.clear()
     monkeypatch.setattr(bench, "timed_sides", lambda cfg, *a, **kw: (
         calls.append(cfg.train.global_batch_size) or ("sequential A-B-A", {"forged": [1.0], "megatron": [2.0]})))
-    bench._bench(rc, b, rank=0)
+    bench.run_bench(rc, b, rank=0)
     res = json.loads((tmp_path / "bench.json").read_text())
     assert res["complete"] is True and [r["global_batch_size"] for r in res["rows_single_micro_batch"]] == [2, 2]
 

@@ -186,17 +186,17 @@ def test_did_you_mean_composes_once_for_a_key_it_cannot_drop(monkeypatch):
 
     bench.register()
     calls = []
-    real = cli._compose
+    real = cli.compose_config
 
     def counting(*a, **k):
         calls.append(a[1])
         return real(*a, **k)
 
-    monkeypatch.setattr(cli, "_compose", counting)
+    monkeypatch.setattr(cli, "compose_config", counting)
     with pytest.raises(ConfigError, match="did you mean train.lr"):
-        cli._compose("bench", ["model=llama_micro", "train={lrr:1e-3}"])
+        cli.compose_config("bench", ["model=llama_micro", "train={lrr:1e-3}"])
     assert len(calls) == 2, calls
     calls.clear()
     with pytest.raises(ConfigError, match="did you mean train.lr"):  # the suggestion itself still works
-        cli._compose("bench", ["model=llama_micro", "train.lrr=1e-3"])
+        cli.compose_config("bench", ["model=llama_micro", "train.lrr=1e-3"])
     assert len(calls) == 2 and "train.lrr=1e-3" not in calls[1]

@@ -28,7 +28,7 @@ from forgetrain import kernels  # noqa: E402
 from forgetrain.config import EngineOptions, KernelsConfig, validate as validate_config  # noqa: E402
 from forgetrain.errors import ConfigError  # noqa: E402
 from forgetrain.kernels.validate import validate  # noqa: E402
-from tests.test_ladder import _cfg  # noqa: E402
+from tests.helpers import ladder_cfg as _cfg  # noqa: E402
 from tests.limits import hang_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from forgetrain.config import COMPILE_TUNINGS, EngineOptions, KernelsConfig, ind
 from forgetrain.errors import ConfigError
 from scenarios.llama1b_h200 import fast
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 
 
 def _with_engine(**engine) -> object:

@@ -125,7 +125,7 @@ def test_quiet_libraries_keeps_the_users_own_future_warnings():
     import subprocess
     import sys
 
-    code = ("import warnings\nfrom forgetrain.cli import _quiet_libraries\n_quiet_libraries()\n"
+    code = ("import warnings\nfrom forgetrain.cli import quiet_libraries\nquiet_libraries()\n"
             "for mod in ('megatron.core.tensor_parallel.layers', 'deepspeed.runtime.engine', 'torch.amp', "
             "'scenarios.my_engine', '__main__'):\n"
             "    warnings.warn_explicit(f'deprecated in {mod}', FutureWarning, mod.replace('.', '/') + '.py', 1, "

@@ -30,7 +30,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these are CPU tests; DeepSpeed
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from tests.test_ladder import _cfg as _ladder_cfg  # noqa: E402
+from tests.helpers import ladder_cfg as _ladder_cfg  # noqa: E402
 
 GIB = 2**30
 STEPS = 4
@@ -214,7 +214,7 @@ def test_bench_prints_the_refusal_as_one_line_and_times_nothing_of_it(monkeypatc
                           out_dir=str(tmp_path))
     _, times = bench.timed_sides(cfg, ["deepspeed"], steps=1, warmup=0, interleave=interleave)
     assert "deepspeed" not in times and len(times["forged"]) >= 1
-    bench._bench(cfg, b, rank=0)
+    bench.run_bench(cfg, b, rank=0)
     out = capsys.readouterr().out
     lines = [x for x in out.splitlines() if x.startswith("deepspeed")]
     assert len(lines) == 1 and lines[0].startswith("deepspeed: cannot run here: needs ~"), out

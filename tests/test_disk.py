@@ -28,7 +28,7 @@ def test_saves_follow_the_loop_rule():
 
 
 def _cfg(tmp_path, **train):
-    from tests.test_ladder import _cfg as ladder_cfg
+    from tests.helpers import ladder_cfg
 
     c = ladder_cfg()
     return dataclasses.replace(c, train=dataclasses.replace(

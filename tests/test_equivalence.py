@@ -18,6 +18,7 @@ from forgetrain.equivalence import (TIER_ORDER, Verdict, bitwise, ladder, load_t
                                     print_verdict_table, surpass, t_quantile, tolerance, write_report)
 from forgetrain.errors import ConfigError
 from forgetrain.trace import TraceWriter, tensor_digest
+from tests.helpers import curve as _curve, paired as _paired, perturb as _perturb, timings as _timings, write_curve as _write_curve
 
 NUM_LAYERS = 2
 PARAMS = hf_param_names(NUM_LAYERS)
@@ -347,18 +348,6 @@ def test_bitwise_accepts_hydra_node_and_checks_name(pair):
 # ---------------------------------------------------------------------------------------------------- tolerance
 
 
-def _perturb(rel: float, steps=None, params=False):
-    def m(run):
-        for r in run["records"]:
-            if steps is None or r["step"] in steps:
-                r["loss"] *= 1 + rel
-                r["grad_norm"] *= 1 - rel
-            r.pop("digests", None)
-        if params:
-            run["final"] = {k: (v.double() * (1 + rel)).float() for k, v in run["final"].items()}
-    return m
-
-
 def test_tolerance_fp32_accepts_1e8_rejects_1e3(pair):
     ref, make = pair
     v = tolerance(ref, make(_perturb(1e-8, params=True), "small"))
@@ -464,40 +453,11 @@ def test_tolerance_max_steps_skips_final_params(pair):
 T = 200
 
 
-def _curve(seed: int, shift=0.0, diverge_at=None) -> np.ndarray:
-    """Synthetic loss: a decaying mean, a per-seed smooth offset, and per-step batch noise (sigma 0.05)."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(1, T + 1)
-    base = 2.0 + 3.0 * np.exp(-t / 40.0)
-    offset = rng.normal(0, 0.01) * (1 + t / T)
-    y = base + offset + rng.normal(0, 0.05, T) + shift
-    if diverge_at is not None:
-        y = y + np.where(t > diverge_at, 0.01 * (t - diverge_at), 0.0)
-    return y
-
-
-def _write_curve(d, y):
-    w = TraceWriter(d, {"precision": "fp32", "steps": len(y)})
-    for i, v in enumerate(y):
-        w.append({"step": i + 1, "loss": float(v), "grad_norm": 1.0, "lr": 1e-3, "tokens": 100 * (i + 1)})
-    w.flush()
-    return d
-
-
 @pytest.fixture
 def seeds(tmp_path):
     """Four reference seeds (>= 3 required). Seeds 0-2 alone happen to agree unusually closely late in the run,
     which makes a 3-seed drift limit tight (a 2-dof std is that variable); the 3-seed case is checked below."""
     return [_write_curve(tmp_path / f"ref{s}", _curve(s)) for s in range(4)]
-
-
-def _paired(tmp_path, name, shift=0.0, noise=0.0, chaos=0.004, n=4):
-    """A paired candidate run per reference seed of the ``seeds`` fixture: that seed's own curve (same init and
-    batches) plus ``shift``, run-to-run chaos (per-step sigma ``chaos``) and extra per-step loss noise ``noise``."""
-    rng = np.random.default_rng(abs(hash((name, shift, noise))) % 2**32)
-    return CurveRuns(paired=tuple(_write_curve(tmp_path / f"{name}_p{s}", _curve(s) + shift
-                                               + rng.normal(0, chaos, T) + rng.normal(0, noise, T) * (noise > 0))
-                                  for s in range(n)))
 
 
 def test_paired_passes_an_equivalent_candidate_and_fails_a_shift_of_one_percent(seeds, tmp_path):
@@ -613,10 +573,6 @@ def test_t_quantile_matches_tables():
 
 
 # ---------------------------------------------------------------------------------------------------- surpass
-
-
-def _timings(seed, median, n=20, rel_sd=0.05):
-    return list(median * (1 + np.random.default_rng(seed).normal(0, rel_sd, n)))
 
 
 PASS = Verdict("loss_curve", True, "ok", {"mode": "paired+unpaired"})

@@ -28,7 +28,7 @@ from forgetrain.config import EngineOptions, KernelsConfig
 from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent

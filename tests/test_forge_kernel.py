@@ -27,7 +27,7 @@ from forgetrain.forge._kernel_gate import fake_samples
 from forgetrain.forge.kernel import forge_kernel, render_brief
 from forgetrain.forge.knowledge import KnowledgeBase
 from forgetrain.kernels.switches import KERNEL_DIR, file_sha256
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
 
 pytest.importorskip("triton")

@@ -272,3 +272,87 @@ def test_cli_refuses_bad_secret_ranges_with_one_line(tmp_path, override, msg):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f"error: {msg}"), p.stderr[-1500:]
     assert not (tmp_path / "o").exists() and not (tmp_path / "h").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- install
+
+def _sealed(tmp: Path) -> Path:
+    """A seal dir as the forge writes it: the seeded engine, seal.json with its hashes and the installed copy's
+    re-check, and the forge run's state beside it."""
+    import shutil
+
+    sd = tmp / "run" / "sealed"
+    shutil.copytree(ROOT / "scenarios" / "llama_tiny_cpu", sd / "engine",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "SEAL.json"))
+    files = wsmod.file_hashes(sd / "engine")
+    (sd / "seal.json").write_text(json.dumps({"scenario": "llama_tiny_cpu", "source_hash": wsmod.source_hash(sd / "engine"),
+                                              "files": files, "tier": "bitwise",
+                                              "installed_check": {"passed": True, "files": files}}))
+    (tmp / "run" / "workspace").mkdir()
+    (tmp / "run" / "workspace" / "forge_state.json").write_text(json.dumps({"seal": str(sd), "reverify": {"files": files}}))
+    return sd
+
+
+def _install_cli(sd: Path, dest: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forgetrain.forge.install", str(sd), str(dest)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def _reseal(sd: Path, **keep) -> None:
+    """Rewrite seal.json's own hashes to the (changed) engine's, as a hand edit would; ``keep`` leaves fields."""
+    seal = json.loads((sd / "seal.json").read_text())
+    seal.update(source_hash=wsmod.source_hash(sd / "engine"), files=wsmod.file_hashes(sd / "engine"))
+    seal.update(keep)
+    (sd / "seal.json").write_text(json.dumps(seal))
+
+
+def test_install_installs_exactly_the_sealed_bytes(tmp_path):
+    from forgetrain.forge.install import install
+
+    sd = _sealed(tmp_path)
+    dest = install(sd, tmp_path / "scenarios" / "forged")
+    assert {k: v for k, v in wsmod.file_hashes(dest).items() if k != "SEAL.json"} == \
+        json.loads((sd / "seal.json").read_text())["files"]
+    assert not list(dest.parent.glob("*.installing")) and not list(dest.parent.glob("*.replaced"))
+
+
+@pytest.mark.parametrize("how", ["engine_only", "seal_rewritten", "seal_and_check_rewritten"])
+def test_install_of_a_changed_engine_is_refused_with_one_line(tmp_path, how):
+    """An engine edited after sealing must be gated again: an edit alone breaks the source hash; seal.json's own
+    hashes rewritten to match still disagree with the installed copy the re-check judged; that record rewritten
+    too still disagrees with the forge run's state. Each is one error line, exit 2, nothing installed."""
+    sd = _sealed(tmp_path)
+    with open(sd / "engine" / "engine.py", "a") as f:
+        f.write("\n_EDITED_AFTER_SEALING = True\n")
+    if how == "seal_rewritten":
+        _reseal(sd)
+    elif how == "seal_and_check_rewritten":
+        _reseal(sd, installed_check={"passed": True, "files": wsmod.file_hashes(sd / "engine")})
+    p = _install_cli(sd, tmp_path / "scenarios" / "forged")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-2000:]
+    want = {"engine_only": "does not match its seal", "seal_rewritten": "the installed copy its re-check judged",
+            "seal_and_check_rewritten": "the forge run's state"}[how]
+    assert want in lines[0] and (how == "engine_only" or "engine.py" in lines[0]), lines[0]
+    assert not (tmp_path / "scenarios").exists()
+
+
+def test_the_seal_refuses_a_workspace_changed_after_its_re_check(tmp_path):
+    """The forge seals the bytes its installed copy's re-check judged: a workspace engine changed after that
+    re-check (a process the agent left behind) is not sealed, and nothing is written."""
+    import types
+
+    from forgetrain.forge import seal as sealmod
+
+    sd = _sealed(tmp_path)
+    ws = tmp_path / "ws"
+    (ws / "engine").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(sd / "engine", ws / "engine", dirs_exist_ok=True)
+    (ws / "engine" / "engine.py").write_text((ws / "engine" / "engine.py").read_text() + "\n# changed later\n")
+    run = types.SimpleNamespace(ws=ws, out=tmp_path / "out", state={"reverify": {"files": wsmod.file_hashes(sd / "engine")}, "last_ladder": {}})
+    run.out.mkdir()
+    with pytest.raises(ConfigError, match="changed after its installed copy passed the re-check.*engine.py"):
+        sealmod.seal(run)
+    assert sorted(p.name for p in run.out.iterdir()) == []

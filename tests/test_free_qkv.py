@@ -13,7 +13,7 @@ from forgetrain import memory
 from forgetrain.config import validate
 from forgetrain.errors import ConfigError
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_recompute import _cfg_for, _same, _train
+from tests.helpers import hopper_cfg as _cfg_for, same_run as _same, train_hopper as _train
 
 
 @pytest.mark.parametrize("extra", [{}, {"grad_accum_fusion": True}, {"recompute": "full"}],

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from forgetrain import equivalence as eq
 from forgetrain.verify import GOLDEN_ROOT, VerifyConfig, run_candidate
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
 
 GOLDENS = sorted((GOLDEN_ROOT / "cpu").glob("llama_tiny_cpu-bitwise-*")) if (GOLDEN_ROOT / "cpu").exists() else []

@@ -18,7 +18,7 @@ from forgetrain import equivalence as eq
 from forgetrain.config import EngineOptions, KernelsConfig
 from scenarios.llama1b_h200 import wgrad
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,8 @@ FUSED_DP2 = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "trai
 
 @pytest.fixture(scope="module")
 def fused_dp2(tmp_path_factory):
-    from tests.test_parallel import Runs, _cache, run_jobs
+    from tests.helpers import session_cache as _cache
+    from tests.test_parallel import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("fused_dp2")
     d = {n: tmp / n for n in ("ref", "ref_z1", "fused", "fused_z1", "stale_z1")}

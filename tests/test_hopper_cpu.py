@@ -16,7 +16,7 @@ from forgetrain.config import EngineOptions, KernelsConfig
 from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
 
 
@@ -108,7 +108,8 @@ class HopperNoDPScale(Hopper):
 
 @pytest.fixture(scope="module")
 def hopper_dp2(tmp_path_factory):
-    from tests.test_parallel import Runs, _cache, run_jobs
+    from tests.helpers import session_cache as _cache
+    from tests.test_parallel import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("hopper_dp2")
     names = [f"{side}{z}_{p}" for side in ("ref", "cand") for z in ("", "_z1") for p in ("fp32", "bf16")]

@@ -15,7 +15,7 @@ import torch
 
 from forgetrain import registry
 from forgetrain.config import EngineOptions, KernelsConfig
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 
 LAYERS = 8
 

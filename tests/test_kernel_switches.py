@@ -22,7 +22,7 @@ from forgetrain.errors import ConfigError
 from forgetrain.kernels import switches
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from scenarios.llama_tiny_cpu.engine import Engine as TinyCPU
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent

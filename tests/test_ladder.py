@@ -4,30 +4,18 @@ The reference runs once per test run (``ref`` fixture); each candidate is judged
 Shapes: llama_micro (2 layers, width 64, GQA 4/2), micro-batch 2 x grad-accum 2, clipping active.
 """
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
 from forgetrain import equivalence as eq
-from forgetrain.config import RunConfig, to_run_config
+from forgetrain.config import to_run_config
 from forgetrain.engine import forward_names
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from tests.mutants import EXPECTED
+from tests.helpers import ladder_cfg as _cfg
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cfg(**train) -> RunConfig:
-    from hydra import compose, initialize_config_dir
-
-    from forgetrain.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        c = to_run_config(compose(config_name="config", overrides=["model=llama_micro"]))
-    return dataclasses.replace(c, train=dataclasses.replace(
-        c.train, micro_batch_size=2, global_batch_size=4, lr_warmup_steps=2, steps=8, **train))
 
 
 STEPS = 4

@@ -10,7 +10,7 @@ import pytest
 
 from forgetrain import equivalence as eq
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 
 pytestmark = pytest.mark.slow
 STEPS, SEEDS = 120, [1234, 1235, 1236]

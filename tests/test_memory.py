@@ -151,7 +151,7 @@ def test_bench_footprint_is_the_estimate():
     from forgetrain import bench
 
     cfg = _compose(LLAMA3_8B)
-    assert bench._bytes_per_engine(cfg) == estimate(cfg).total_bytes
+    assert bench.bytes_per_engine(cfg) == estimate(cfg).total_bytes
 
 
 def _cli(module: str, args: list[str], cwd: Path, fake_gib: str) -> subprocess.CompletedProcess:
@@ -302,7 +302,7 @@ def test_param_tensor_sizes_are_the_engines_tensors():
     (same element counts, as a multiset), or it would count tensors the engine does not offload."""
     from forgetrain.metrics import param_tensor_sizes
     from scenarios.llama1b_h200.engine import Engine as Hopper
-    from tests.test_recompute import _cfg_for
+    from tests.helpers import hopper_cfg as _cfg_for
 
     cfg = _cfg_for("fast")
     eng = Hopper(cfg, "cpu")
@@ -394,7 +394,7 @@ def test_a_compiled_block_saves_what_the_estimate_counts(free_qkv):
     import torch
     from types import SimpleNamespace
 
-    from scenarios.llama1b_h200.fast import FastBlock, _rope_cos_sin
+    from scenarios.llama1b_h200.fast import FastBlock, rope_cos_sin
 
     m = SimpleNamespace(num_attention_heads=8, num_query_groups=2, head_dim=32, hidden_size=256, ffn_hidden_size=512,
                         norm_epsilon=1e-5)
@@ -405,7 +405,7 @@ def test_a_compiled_block_saves_what_the_estimate_counts(free_qkv):
     for p in blk.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(b, s, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = _rope_cos_sin(s, m.head_dim, 10000.0, "cpu", torch.bfloat16)
+    cos, sin = rope_cos_sin(s, m.head_dim, 10000.0, "cpu", torch.bfloat16)
     run = torch.compile(blk)
     run(x, cos, sin).sum().backward()  # trace once
     y, rows = memory.saved_storages(run, x, cos, sin, exclude=[*blk.parameters(), x, cos, sin])

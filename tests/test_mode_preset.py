@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from forgetrain import registry
-from forgetrain.cli import _check_job, _compose
+from forgetrain.cli import check_job as _check_job, compose_config as _compose
 from forgetrain.config import EngineOptions, register_configs, to_run_config
 from forgetrain.errors import ConfigError
 from forgetrain.kernels import switches

@@ -26,7 +26,8 @@ from forgetrain.config import validate
 from forgetrain.errors import ConfigError
 from scenarios._llama import optim
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_recompute import _cfg_for, _same, _train, check_resumes_bitwise
+from tests.helpers import hopper_cfg as _cfg_for, same_run as _same, train_hopper as _train
+from tests.test_recompute import check_resumes_bitwise
 
 
 @pytest.fixture

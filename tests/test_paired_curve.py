@@ -15,7 +15,7 @@ from forgetrain import equivalence as eq
 from forgetrain import verify as V
 from forgetrain.errors import ConfigError
 from scenarios.llama_tiny_cpu.engine import Engine
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 
 STEPS, SEEDS = 80, [1234, 1235, 1236]
 

@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ import pytest
 
 from forgetrain import equivalence as eq
 from tests.limits import hang_s
+from tests.helpers import free_port as _free_port, session_cache as _cache
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
@@ -57,20 +57,10 @@ MEAN = ["parallel.report_loss=dp_mean"]
 M = "tests.parallel_mutants:"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(cache: str, **extra) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), FORGETRAIN_CACHE=cache, OMP_NUM_THREADS="1")
     env.update(extra)
     return env
-
-
-def _cache(tmp_path_factory) -> str:
-    return os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
 
 
 def torchrun(argv: list[str], env: dict, timeout: float | None = None, nproc: int = 2) -> subprocess.CompletedProcess:

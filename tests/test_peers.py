@@ -25,7 +25,7 @@ import torch
 
 from references.torch_compile.engine import Engine as Strong
 from references.torch_compile_autocast.engine import Engine as Autocast
-from tests.test_ladder import _cfg as _ladder_cfg
+from tests.helpers import ladder_cfg as _ladder_cfg
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -300,7 +300,7 @@ def test_device_script_request_passes_the_bench_checks_on_an_h200(monkeypatch):
     register_configs()
     bench.register()
     args = _script_overrides()
-    cli._check_job("bench", args)
+    cli.check_job("bench", args)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     with pytest.raises(ConfigError, match="torchao_float8_tensorwise.*compute capability 8.0"):
-        cli._check_job("bench", args)
+        cli.check_job("bench", args)

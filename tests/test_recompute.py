@@ -28,30 +28,10 @@ from forgetrain.errors import ConfigError
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios._llama import recompute
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
+from tests.helpers import hopper_cfg as _cfg_for, same_run as _same, train_hopper as _train
 
 BOTH = {"recompute": "full", "bf16_weights": "per_layer"}
-
-
-def _cfg_for(mode: str, precision: str = "bf16", **engine):
-    c = _cfg(precision=precision)
-    m = dataclasses.replace(c.model, vocab_size=256)
-    kernels = KernelsConfig(cross_entropy="chunked" if mode == "fast" else "torch")
-    return dataclasses.replace(c, model=m, kernels=kernels,
-                               engine=EngineOptions(mode=mode, compile=False, ce_chunk_tokens=24, **engine))
-
-
-def _train(cfg, init: dict, steps: int = 3):
-    torch.manual_seed(0)
-    mbs = [[torch.randint(0, 256, (2, 33)) for _ in range(2)] for _ in range(steps)]
-    eng = Hopper(cfg, "cpu")
-    eng.load_hf_weights(init)
-    losses = [eng.train_step(m).loss for m in mbs]
-    return losses, eng.export_hf_weights(), eng
-
-
-def _same(a, b) -> bool:
-    return a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
 def test_exact_mode_with_recompute_and_per_layer_weights_is_bitwise_vs_reference(tmp_path):

@@ -23,10 +23,11 @@ import weakref
 import pytest
 import torch
 
-from forgetrain.train import _Probe
+from forgetrain.run.loop import Probe
 from scenarios._llama import recompute
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.test_recompute import BOTH, _cfg_for
+from tests.helpers import hopper_cfg as _cfg_for
+from tests.test_recompute import BOTH
 
 
 def _micro_batches(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -93,7 +94,7 @@ def test_recompute_reproduces_the_compiled_forward_past_the_recompile_limit():
 
 def _probe_records(engine: dict, ga: int = 3) -> dict:
     eng = Hopper(_cfg_for("exact", **engine), "cpu")
-    probe = _Probe(eng.module_probes())
+    probe = Probe(eng.module_probes())
     eng.train_step(_micro_batches(ga))
     probe.close()
     return probe.records

@@ -156,7 +156,7 @@ def test_divergence_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     from forgetrain.errors import DivergenceError
     from forgetrain.train import train
     from scenarios.llama_tiny_cpu.engine import Engine
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     class DivergesAtStep3(Engine):
         def train_step(self, micro_batches):
@@ -189,7 +189,7 @@ def test_ctrl_c_checkpoints_the_step_it_stops_after_and_resumes_from_it(tmp_path
     from forgetrain.errors import Interrupted
     from forgetrain.train import train
     from scenarios.llama_tiny_cpu.engine import Engine
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     class CtrlCAtStep3(Engine):
         def train_step(self, micro_batches):
@@ -343,7 +343,7 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
     import signal
     import time
 
-    from tests.test_parallel import _free_port
+    from tests.helpers import free_port as _free_port
 
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -374,15 +374,16 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_the_same_step(tmp_path):
 
 
 def test_a_second_ctrl_c_stops_at_once_and_a_save_is_never_cut(tmp_path, monkeypatch):
-    """In-process: the training loop's handler (``train._CtrlC``) takes the first SIGINT as a request, the second
+    """In-process: the training loop's handler (``forgetrain.run.loop.CtrlC``) takes the first SIGINT as a request, the second
     as KeyboardInterrupt; a SIGINT during a checkpoint save waits for the save, then reaches that handler."""
     import signal
 
-    from forgetrain import checkpoint, train
+    from forgetrain import checkpoint
+    from forgetrain.run.loop import CtrlC
 
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive Python starts
     try:
-        c = train._CtrlC()
+        c = CtrlC()
         try:
             assert signal.getsignal(signal.SIGINT) == c._on_sigint
             with checkpoint._deferred_sigint():  # a save in progress: the signal is held
@@ -399,7 +400,7 @@ def test_a_second_ctrl_c_stops_at_once_and_a_save_is_never_cut(tmp_path, monkeyp
                 signal.raise_signal(signal.SIGINT)
         # started with SIGINT ignored (nohup, a background job): neither installs a handler; it stays ignored
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        c = train._CtrlC()
+        c = CtrlC()
         with checkpoint._deferred_sigint():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
             signal.raise_signal(signal.SIGINT)
@@ -435,7 +436,7 @@ def test_failed_save_is_one_line_and_keeps_the_last_good_checkpoint(failure, tmp
     from forgetrain.errors import CheckpointError
     from forgetrain.train import train
     from scenarios.llama_tiny_cpu.engine import Engine
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     real_save, calls = checkpoint.dcp.save, []
 
@@ -476,7 +477,7 @@ def test_exported_weights_do_not_change_with_the_live_ones():
     import torch
 
     from scenarios.llama_tiny_cpu.engine import Engine
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     eng = Engine(_cfg(), "cpu")
     before = eng.export_hf_weights()
@@ -563,29 +564,29 @@ def test_out_dir_lock_released_during_a_take_is_not_held_twice(tmp_path, monkeyp
 
     from forgetrain.distributed import DistEnv
     from forgetrain.errors import ConfigError
-    from forgetrain.train import _lock_out_dir, _unlock_out_dir
+    from forgetrain.run.outdir import lock_out_dir, unlock_out_dir
 
     out, env = tmp_path / "run", DistEnv()
-    first = _lock_out_dir(out, env)
+    first = lock_out_dir(out, env)
     real, calls = fcntl.flock, []
 
     def flock(fd, op):  # the second run's first take: the first run ends between its open() and its flock()
         calls.append(op)
         if len(calls) == 1:
-            _unlock_out_dir(out, first)
+            unlock_out_dir(out, first)
         return real(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    second = _lock_out_dir(out, env)
+    second = lock_out_dir(out, env)
     monkeypatch.setattr(fcntl, "flock", real)
     assert len(calls) == 2, calls  # the stale inode was dropped and the lock taken again on the file that is there
     with pytest.raises(ConfigError, match=rf"is in use by another run \(pid {os.getpid()}\)"):
-        _lock_out_dir(out, env)
+        lock_out_dir(out, env)
     assert (out / ".lock").read_text().strip() == str(os.getpid())
-    _unlock_out_dir(out, second)
+    unlock_out_dir(out, second)
     assert not (out / ".lock").exists()
-    third = _lock_out_dir(out, env)  # free again once the holder has let go
-    _unlock_out_dir(out, third)
+    third = lock_out_dir(out, env)  # free again once the holder has let go
+    unlock_out_dir(out, third)
 
 
 def test_kernels_without_triton_is_one_line(tmp_path):
@@ -681,7 +682,7 @@ def test_progress_bar_shows_the_current_steps_metrics(tmp_path, monkeypatch, cap
 
     from forgetrain.train import train
     from scenarios.llama_tiny_cpu.engine import Engine
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     class Paced(Engine):  # tqdm redraws at most every 0.1 s (its TQDM_* env defaults are read once, at import)
         def train_step(self, micro_batches):
@@ -710,8 +711,8 @@ def test_the_sample_shows_document_boundaries_readably(tmp_path):
 
     from forgetrain.config import DataConfig
     from forgetrain.data import DOCUMENT_BREAK, EOD_TOKEN, load_tokenizer, prepare
-    from forgetrain.train import _sample_text
-    from tests.test_ladder import _cfg
+    from forgetrain.run.phases import sample_text
+    from tests.helpers import ladder_cfg as _cfg
 
     tok = load_tokenizer(prepare(DataConfig(), progress=False).tokenizer_path)
     eod = tok.eod_id
@@ -724,7 +725,7 @@ def test_the_sample_shows_document_boundaries_readably(tmp_path):
 
     c = _cfg()
     c = dataclasses.replace(c, train=dataclasses.replace(c.train, sample_tokens=6, sample_prompt="ROMEO."))
-    text = _sample_text(EndsDocuments(), tok, c, "cpu")
+    text = sample_text(EndsDocuments(), tok, c, "cpu")
     assert EOD_TOKEN not in text, text
     assert text.startswith("ROMEO.") and text.count(DOCUMENT_BREAK.strip()) == 3, text
 

@@ -22,7 +22,8 @@ from forgetrain.equivalence import TIER_ORDER as TIER_ORDER_IMPORTED_EARLY
 from forgetrain.equivalence.registry import CURVE, PAIR, SPEED, Tier
 from forgetrain.errors import ConfigError
 from forgetrain.forge import _ladder
-from tests.test_equivalence import _curve, _paired, _perturb, _timings, _write_curve, base_run, write_run
+from tests.helpers import curve as _curve, paired as _paired, perturb as _perturb, timings as _timings, write_curve as _write_curve
+from tests.test_equivalence import base_run, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN = ("bitwise", "tolerance", "loss_curve", "surpass")
@@ -190,7 +191,7 @@ def test_fifth_tier_in_the_ladder_report_and_surpass(fifth_tier, tmp_path):
 def test_fifth_tier_through_verify(fifth_tier, tmp_path, monkeypatch):
     """verify runs the new tier as a pair tier (reference and candidate from the same init) from the registry
     entry alone. The runs are synthetic traces here; tests/test_ladder.py runs real engines."""
-    from tests.test_ladder import _cfg
+    from tests.helpers import ladder_cfg as _cfg
 
     runs = {"cand": base_run()}
 

@@ -24,7 +24,7 @@ pytest.importorskip("torchtitan")
 from forgetrain import equivalence as eq  # noqa: E402
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference  # noqa: E402
 from references.torchtitan.engine import Engine  # noqa: E402
-from tests.test_ladder import _cfg  # noqa: E402
+from tests.helpers import ladder_cfg as _cfg  # noqa: E402
 from tests.limits import hang_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,7 +267,8 @@ DP2 = ["model=llama_micro", "parallel=fsdp2", "parallel.report_loss=dp_mean", "t
 
 @pytest.fixture(scope="module")
 def tt_dp2(tmp_path_factory):
-    from tests.test_parallel import Runs, _cache, run_jobs
+    from tests.helpers import session_cache as _cache
+    from tests.test_parallel import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("tt_dp2")
     d = {n: tmp / n for n in ("ref", "cand")}

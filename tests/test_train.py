@@ -122,9 +122,9 @@ def test_the_resume_command_quotes_out_dir_for_the_shell_and_hydra(path):
     gives the directory back (Hydra reads ``,`` ``(`` ``=`` ``'`` and spaces as grammar)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from forgetrain.train import _resume_command
+    from forgetrain.run.resume import resume_command
 
-    token = shlex.split(_resume_command(Path(path)))[-1]
+    token = shlex.split(resume_command(Path(path)))[-1]
     assert OverridesParser.create().parse_override(token).value() == path
 
 
@@ -137,12 +137,12 @@ def test_a_refused_resume_leaves_no_directory_it_made(tmp_path):
 
 
 def test_resume_without_checkpoint_is_refused_before_the_data_and_engine(tmp_path, monkeypatch):
-    """The refusal comes before :func:`forgetrain.train._setup` (data preparation, engine build) runs."""
+    """The refusal comes before :func:`forgetrain.run.phases.setup` (data preparation, engine build) runs."""
     import forgetrain.train as train_mod
     from forgetrain.config import RunConfig, TrainConfig
     from forgetrain.errors import CheckpointError
 
-    monkeypatch.setattr(train_mod, "_setup", lambda *a, **k: pytest.fail("data and engine prepared first"))
+    monkeypatch.setattr(train_mod, "setup", lambda *a, **k: pytest.fail("data and engine prepared first"))
     cfg = RunConfig(train=TrainConfig(resume=True, out_dir=str(tmp_path / "none")))
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         train_mod.train(cfg)

@@ -8,7 +8,7 @@ import pytest
 from forgetrain import equivalence as eq
 from forgetrain import verify as V
 from forgetrain.errors import ConfigError
-from tests.test_ladder import _cfg
+from tests.helpers import ladder_cfg as _cfg
 
 STEPS = 24
 

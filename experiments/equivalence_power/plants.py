@@ -1,5 +1,6 @@
 """Planted regressions for measuring the loss-curve tier's power: deliberately wrong versions of a forged engine,
-each a subclass of the scenario's engine class built by :func:`planted`.
+each a subclass of the scenario's engine class built by :func:`planted`; and the bench's peers (``peer_*``), judged
+as candidates the same way.
 
 Each plant names what it changes and the mode that can see it: ``paired`` (the candidate starts from each
 reference seed's init, so only training-time changes are visible) or ``unpaired`` (the candidate's own init).
@@ -24,7 +25,13 @@ PLANTS = {
     "fp8": ("engine.fp8=tensorwise (the opt-in switch, judged again)", "paired"),
     "default_unpaired": ("the scenario default from its own init and data order", "unpaired"),
     "no_output_scaling": ("attention output and fc2 initialised N(0, std) without Megatron's 1/sqrt(2L)", "unpaired"),
+    # the bench's peers, judged as candidates: are they equivalent to the reference, and is FP8's departure in the
+    # warm-up inherent to tensorwise FP8 (torchao's recipe on the same model) or a defect of ours?
+    "peer_bf16": ("references/torch_compile, the strong plain-PyTorch script (a bench peer)", "paired"),
+    "peer_torchao_fp8": ("references/torchao_float8_tensorwise: torchao float8 training, tensorwise", "paired"),
 }
+PEERS = {"peer_bf16": "references.torch_compile.engine",  # plant -> the module whose Engine it runs
+         "peer_torchao_fp8": "references.torchao_float8_tensorwise.engine"}
 
 
 def _bf16_ce_chunk(logits: torch.Tensor, labels: torch.Tensor, inv_n: float, block=None):
@@ -67,6 +74,10 @@ def planted(name: str, base):
         raise KeyError(f"unknown plant {name!r}; known: {', '.join(PLANTS)}")
     if name in ("default", "repeat", "default_unpaired", "fp8"):
         return base
+    if name in PEERS:  # not the forged engine at all: the peer's own engine class, from the same init and batches
+        import importlib
+
+        return importlib.import_module(PEERS[name]).Engine
     if name == "bf16_ce":
         _patch_bf16_ce()
         return base

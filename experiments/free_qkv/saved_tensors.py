@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         return 2
 
     from scenarios.llama1b_h200 import wgrad
-    from scenarios.llama1b_h200.fast import FastBlock, _rope_cos_sin, _sdpa_priority
+    from scenarios.llama1b_h200.fast import FastBlock, rope_cos_sin, sdpa_priority
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         acc = wgrad.WGradAccum(first=True, scale=1.0, path=wgrad.probe_path(dev)[0])
     T, h = a.batch * a.seq, a.hidden
     x = torch.randn(a.batch, a.seq, h, dtype=dt, device=dev, requires_grad=True)
-    cos, sin = _rope_cos_sin(a.seq, a.head_dim, 500000.0, dev, dt)
+    cos, sin = rope_cos_sin(a.seq, a.head_dim, 500000.0, dev, dt)
     run = blk if a.eager else torch.compile(blk)
 
     from forgetrain.memory import saved_storages
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     # layer holds for its backward, including what a compiled graph saves out of the hooks' sight (the e4m3 tensors
     # of a compiled FP8 block are not seen by saved_tensors_hooks on torch 2.13, CPU)
     held = None
-    with _sdpa_priority("cudnn", dev):
+    with sdpa_priority("cudnn", dev):
         for _ in range(1 if a.eager else 2):  # the first compiled call traces; record the second
             if dev.type == "cuda":
                 torch.cuda.synchronize()

@@ -82,7 +82,7 @@ def inspect_indexed(prefix: str) -> IndexedInfo:
         n_tok = int(lengths.sum(dtype=np.int64))
         bin_size = os.path.getsize(bin_)
     except OSError as e:
-        raise DataError(f"cannot read '{prefix}': {_first_line(e)}") from None
+        raise DataError(f"cannot read '{prefix}': {first_line(e)}") from None
     if bin_size != n_tok * itemsize:
         raise DataError(f"corrupt data file '{bin_}': {bin_size} bytes, but '{idx}' describes {n_tok} tokens x "
                         f"{itemsize} bytes = {n_tok * itemsize} (truncated, or .bin and .idx do not belong together)")
@@ -98,7 +98,7 @@ def max_token_id(prefix: str, info: IndexedInfo, chunk: int = 1 << 26) -> int:
         arr = np.memmap(prefix + ".bin", dtype=info.dtype, mode="r", shape=(info.num_tokens,))
         return int(max(int(arr[i:i + chunk].max()) for i in range(0, info.num_tokens, chunk)))
     except (OSError, ValueError) as e:
-        raise DataError(f"cannot read '{prefix}.bin': {_first_line(e)}") from None
+        raise DataError(f"cannot read '{prefix}.bin': {first_line(e)}") from None
 
 
 def open_indexed(prefix: str):
@@ -109,7 +109,7 @@ def open_indexed(prefix: str):
             from megatron.core.datasets.indexed_dataset import IndexedDataset
         return IndexedDataset(prefix, mmap=True)
     except Exception as e:
-        raise DataError(f"cannot open indexed dataset '{prefix}': {_first_line(e)}") from None
+        raise DataError(f"cannot open indexed dataset '{prefix}': {first_line(e)}") from None
 
 
 class TokenWindows:
@@ -142,7 +142,7 @@ class TokenWindows:
         try:
             flat = np.memmap(self.prefix + ".bin", dtype=info.dtype, mode="r", shape=(self._n * width,))
         except (OSError, ValueError) as e:
-            raise DataError(f"cannot read '{self.prefix}.bin': {_first_line(e)}") from None
+            raise DataError(f"cannot read '{self.prefix}.bin': {first_line(e)}") from None
         self._windows = flat.reshape(self._n, width)  # zero-copy view of the mmap
         self._epoch, self._perm = -1, None
 
@@ -194,6 +194,6 @@ def eval_batches(windows: TokenWindows, iters: int, micro_batch_size: int) -> li
                                        for j in range(micro_batch_size)])) for b in range(iters)]
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     s = str(e).strip()
     return s.splitlines()[0] if s else type(e).__name__

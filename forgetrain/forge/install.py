@@ -1,9 +1,11 @@
 """Install a sealed engine into ``scenarios/``: ``python -m forgetrain.forge.install SEAL_DIR scenarios/NAME``.
 
 ``SEAL_DIR`` is a forge run's ``sealed/`` directory (``engine/`` + ``seal.json``). The engine's source hash is
-checked against ``seal.json`` first (a modified sealed engine is refused), the import guard and the content check
+checked against ``seal.json`` first, file by file, and against the installed copy that passed the seal's re-check
+and the forge run's state (a modified sealed engine is refused: it must be gated again), the import guard and the content check
 (:mod:`forgetrain.forge.content`: no reference framework's code under any name) are run on it, and its
-files are copied into the destination with ``seal.json`` beside them as ``SEAL.json`` (provenance). An existing
+files are copied beside the destination, hashed again (the installed bytes must be the sealed ones) and swapped
+in, with ``seal.json`` beside them as ``SEAL.json`` (provenance). An existing
 engine at the destination is replaced only with ``--force``. Exit 0 on success, 2 on bad input.
 """
 
@@ -20,18 +22,52 @@ from forgetrain.forge.workspace import ENGINE_DIR, REPO_ROOT, file_hashes, sourc
 from forgetrain.guard import scan_tree
 
 
+def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path) -> dict[str, str]:
+    """The engine files' sha256 that the seal vouches for, checked against every record of them: the engine's
+    own files, ``seal.json``'s ``files`` and ``source_hash``, the hashes of the installed copy that passed the
+    seal's re-check (``installed_check.files``), and the forge run's state beside the seal
+    (``../workspace/forge_state.json``, when there). Raises ConfigError naming the first disagreement."""
+    got = file_hashes(eng)
+    if seal.get("source_hash") != source_hash(eng):
+        raise ConfigError(f"{eng} does not match its seal (source hash {source_hash(eng)[:12]} != "
+                          f"{str(seal.get('source_hash'))[:12]})")
+    records = [("seal.json's files", seal.get("files")),
+               ("the installed copy its re-check judged", (seal.get("installed_check") or {}).get("files"))]
+    state_file = seal_dir.parent / "workspace" / "forge_state.json"
+    if state_file.is_file():
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{state_file} cannot be read ({type(e).__name__}: {e})") from None
+        if state.get("seal") == str(seal_dir):  # the run that wrote this seal
+            records.append((f"the forge run's state ({state_file})", (state.get("reverify") or {}).get("files")))
+    for what, want in records:
+        if want is None:
+            continue
+        diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+        if diff:
+            raise ConfigError(f"{eng} is not the engine that was sealed: {len(diff)} file(s) differ from "
+                              f"{what} (first: {diff[0]}); re-gate it with python -m forgetrain.forge")
+    return got
+
+
 def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path:
-    """Copy the sealed engine in ``seal_dir`` into ``dest``; returns ``dest``. Raises ConfigError on a missing or
-    modified seal, forbidden imports, a reference framework's code in it, or an existing different engine at
-    ``dest`` without ``force``."""
+    """Copy the sealed engine in ``seal_dir`` into ``dest``; returns ``dest``. Raises ConfigError (nothing written)
+    on a missing, unreadable or modified seal (the engine's bytes must be the ones sealed and re-checked:
+    :func:`_sealed_hashes`), forbidden imports, a reference framework's code in it, an existing different engine
+    at ``dest`` without ``force``, or a copy whose installed bytes do not hash as sealed."""
     seal_dir, dest = Path(seal_dir).resolve(), Path(dest).resolve()
     seal_file, eng = seal_dir / "seal.json", seal_dir / ENGINE_DIR
     if not seal_file.exists() or not (eng / "engine.py").exists():
         raise ConfigError(f"{seal_dir} is not a sealed engine (needs seal.json and engine/engine.py)")
-    seal = json.loads(seal_file.read_text())
+    try:
+        seal = json.loads(seal_file.read_text())
+        if not isinstance(seal, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{seal_file} cannot be read ({type(e).__name__}: {e})") from None
+    want = _sealed_hashes(seal_dir, seal, eng)
     got = source_hash(eng)
-    if seal.get("source_hash") != got:
-        raise ConfigError(f"{eng} does not match its seal (source hash {got[:12]} != {str(seal.get('source_hash'))[:12]})")
     hits = scan_tree(eng)
     if hits:
         raise ConfigError(f"sealed engine imports a reference framework: {hits[0]}")
@@ -42,18 +78,29 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path
         raise ConfigError(f"sealed engine contains a reference framework's code (escape class 7): {shared[0]}")
     if (dest / "engine.py").exists():
         current = {k: v for k, v in file_hashes(dest).items() if k != "SEAL.json"}
-        if current == file_hashes(eng):
+        if current == want:
+            shutil.copy2(seal_file, dest / "SEAL.json")  # the seal's provenance beside the engine it vouches for
             print(f"{dest} already holds this engine ({got[:12]})", file=sys.stderr)
             return dest
         if not force:
             raise ConfigError(f"{dest} already holds an engine; pass --force (forge.install does) to replace it")
-        for p in dest.iterdir():  # replace: files removed in the sealed engine must not linger
-            if p.name in ("__pycache__",):
-                continue
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(eng, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    shutil.copy2(seal_file, dest / "SEAL.json")
+    # copied beside the destination, checked, then swapped in: a copy that does not hash as sealed writes nothing
+    new, old = dest.with_name(dest.name + ".installing"), dest.with_name(dest.name + ".replaced")
+    for d in (new, old):
+        shutil.rmtree(d, ignore_errors=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(eng, new, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    landed = file_hashes(new)
+    if landed != want:
+        shutil.rmtree(new, ignore_errors=True)
+        bad = sorted(k for k in set(want) | set(landed) if want.get(k) != landed.get(k))
+        raise ConfigError(f"the copy of {eng} at {dest} does not hash as sealed ({len(bad)} file(s), first "
+                          f"{bad[0]}): the engine changed while it was installed; nothing was installed")
+    shutil.copy2(seal_file, new / "SEAL.json")
+    if dest.exists():
+        dest.rename(old)
+    new.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
     name = dest.name
     print(f"installed {seal.get('scenario')} engine ({seal.get('tier')}, source {got[:12]}) -> {dest}",
           file=sys.stderr)

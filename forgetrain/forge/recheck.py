@@ -18,14 +18,15 @@ import json
 from pathlib import Path
 
 
-def trace_problems(cand: Path, golden: Path, steps: int) -> list[str]:
+def trace_problems(cand: Path, golden: Path | None, steps: int, config_hash: str | None = None) -> list[str]:
     """What is wrong with the candidate's trace dir ``cand`` as a record of the judge's run, whose golden trace
-    dir is ``golden`` (same config) and whose length is ``steps``; empty when nothing is."""
+    dir is ``golden`` (same config; or, without one, whose config hash the judge computed: ``config_hash``) and
+    whose length is ``steps``; empty when nothing is."""
     from forgetrain.trace import read_trace
 
     try:
         meta, recs = read_trace(cand)
-        want = json.loads((golden / "meta.json").read_text())
+        want = json.loads((golden / "meta.json").read_text()) if golden is not None else {"config_hash": config_hash}
     except (OSError, ValueError) as e:
         return [f"the candidate's trace cannot be read ({type(e).__name__}: {e})"]
     out = []

@@ -65,6 +65,7 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
         install(_stage(run, run.out / ".seal_stage"), dest, force=True)
     except ConfigError as e:
         return [(7 if "class 7" in str(e) else 6, f"the engine cannot be installed: {e}")]
+    installed = _engine_hashes(dest)  # the bytes the re-check judges: the seal vouches for these and no others
     spec = dict(run.spec, candidate={"dir": str(dest), "package": f"scenarios.{dest.name}",
                                      "entry": wsmod.workspace_entry(run.ws)})
     gate = (passed or {}).get("gate") or {}
@@ -75,6 +76,11 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
     atomic_write_json(spec_path, spec)
     res = run.ladder(k, rdir, spec_path=spec_path, name="reverify")
     problems = _problems(res, dest)
+    after = _engine_hashes(dest)
+    if after != installed and not problems:
+        bad = sorted(f for f in set(after) | set(installed) if after.get(f) != installed.get(f))
+        problems = [(3, f"the installed copy at {dest} changed while it was judged ({len(bad)} file(s), first "
+                        f"{bad[0]})")]
     if res.get("gates_changed"):
         run.state["status"] = "aborted: gates changed"
     if problems:
@@ -82,8 +88,13 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
         if backup.exists():
             shutil.copytree(backup, dest, symlinks=True)
     shutil.rmtree(backup, ignore_errors=True)
-    run.state["reverify"] = {"round": k, "dest": str(dest), "passed": not problems, "gate": res.get("gate")}
+    run.state["reverify"] = {"round": k, "dest": str(dest), "passed": not problems, "gate": res.get("gate"),
+                             "files": installed}
     return problems
+
+
+def _engine_hashes(d: Path) -> dict[str, str]:
+    return {f: h for f, h in wsmod.file_hashes(d).items() if f != "SEAL.json"}
 
 
 def _problems(res: dict, dest: Path) -> list[tuple[int, str]]:
@@ -111,6 +122,13 @@ def seal(run) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(run.ws / wsmod.ENGINE_DIR, tmp / wsmod.ENGINE_DIR,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    judged = (s.get("reverify") or {}).get("files")
+    now = wsmod.file_hashes(tmp / wsmod.ENGINE_DIR)
+    if judged is not None and now != judged:  # the workspace changed after its installed copy was re-checked
+        shutil.rmtree(tmp, ignore_errors=True)
+        bad = sorted(f for f in set(now) | set(judged) if now.get(f) != judged.get(f))
+        raise ConfigError(f"the workspace's engine changed after its installed copy passed the re-check ({len(bad)} "
+                          f"file(s) differ, first {bad[0]}): not sealed; run the forge again to gate it")
     tier, surpassed = res.get("strictest_passed"), res.get("surpassed")
     opt_file = run.ws / wsmod.ENGINE_DIR / "OPTIMISATIONS.json"
     opts_list, opt_note = [], None

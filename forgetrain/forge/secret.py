@@ -10,7 +10,10 @@ values from them with the operating system's randomness (:func:`draw`):
 * ``window``: the run's data, a contiguous run of the prepared corpus's training documents starting at a random
   document (:func:`build_window`), copied into the ladder run's own dir in Megatron's indexed format, with
   content hashes in its manifest;
-* ``curve_seeds``: the reference seeds of a loss-curve golden.
+* ``curve_seeds``: the reference seeds of a loss-curve golden (the candidate's paired runs start from each one's
+  reference init and read its batches);
+* ``candidate_seeds``: the seeds of the candidate's unpaired curve runs (its own init and data order), none of
+  them a reference seed.
 
 The golden for the drawn values is made by the reference's side of that ladder run, into the ladder run's own dir,
 which the candidate's process can neither read nor write (``forgetrain.forge.isolate``, the run-time guard). A
@@ -52,9 +55,10 @@ def draw(ranges: dict) -> dict:
     except (KeyError, TypeError, ValueError):
         raise ConfigError(f"the ladder spec's secret ranges are malformed: {ranges!r}") from None
     rng = secrets.SystemRandom()
+    seeds = rng.sample(range(int(s0), int(s1) + 1), 2 * CURVE_SEEDS)  # distinct: reference and candidate seeds
     return {"seed": rng.randint(int(s0), int(s1)), "steps": rng.randint(int(n0), int(n1)),
             "window": {"fraction": frac, "start": rng.random()},
-            "curve_seeds": rng.sample(range(int(s0), int(s1) + 1), CURVE_SEEDS)}
+            "curve_seeds": seeds[:CURVE_SEEDS], "candidate_seeds": seeds[CURVE_SEEDS:]}
 
 
 def judge_spec(spec: dict, drawn: dict, data_dir: Path, golden_root: Path) -> dict:
@@ -67,6 +71,8 @@ def judge_spec(spec: dict, drawn: dict, data_dir: Path, golden_root: Path) -> di
     rc["train"].update(seed=int(drawn["seed"]), steps=int(drawn["steps"]))
     rc["data"].update(path=str(data_dir / "train"), tokenizer=None, cache_dir=None)
     j["verify"].update(steps=int(drawn["steps"]), seeds=[int(s) for s in drawn["curve_seeds"]])
+    if drawn.get("candidate_seeds"):  # a recorded draw from before they were drawn keeps the spec's
+        j["verify"]["candidate_seeds"] = [int(s) for s in drawn["candidate_seeds"]]
     j.update(drawn=drawn, golden_root=str(golden_root))
     return j
 

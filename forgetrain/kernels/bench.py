@@ -50,7 +50,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(step, n_sets: int, warmup: int, repeats: int, device: torch.device) -> list[float]:
+def time_kernel(step, n_sets: int, warmup: int, repeats: int, device: torch.device) -> list[float]:
     """Milliseconds of each of ``repeats`` calls ``step(k)`` (k rotating over the input sets)."""
     for i in range(warmup):
         step(i % n_sets)
@@ -73,6 +73,9 @@ def _time(step, n_sets: int, warmup: int, repeats: int, device: torch.device) ->
         pairs.append((s, e))
     _sync(device)
     return [s.elapsed_time(e) for s, e in pairs]
+
+
+_time = time_kernel  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 def _summ(ms: list[float], work: dict, bound: str) -> dict:
@@ -184,7 +187,7 @@ def _bench_case(spec, device, shape, dtype, variants, repeats, warmup, rotate_by
                     with torch.no_grad():
                         fn(run_sets[k])
 
-            case["fwd"][vname] = _summ(_time(fwd, n_sets, warmup, repeats, device), cost["fwd"], spec.bound)
+            case["fwd"][vname] = _summ(time_kernel(fwd, n_sets, warmup, repeats, device), cost["fwd"], spec.bound)
             if diff:
                 def fwd_bwd(k, fn=fn, run_sets=run_sets):
                     outs = fn(run_sets[k])
@@ -194,7 +197,7 @@ def _bench_case(spec, device, shape, dtype, variants, repeats, warmup, rotate_by
 
                 work = {"bytes": cost["fwd"]["bytes"] + cost["bwd"]["bytes"],
                         "flops": cost["fwd"]["flops"] + cost["bwd"]["flops"]}
-                case["fwd_bwd"][vname] = _summ(_time(fwd_bwd, n_sets, warmup, repeats, device), work, spec.bound)
+                case["fwd_bwd"][vname] = _summ(time_kernel(fwd_bwd, n_sets, warmup, repeats, device), work, spec.bound)
             del run_sets
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
             msg = f"{type(e).__name__}: {e}".splitlines()[0]

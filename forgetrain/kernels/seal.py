@@ -75,7 +75,7 @@ def _device_type(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
-def _device_name(device: str) -> str:
+def device_name_of(device: str) -> str:
     if _device_type(device) == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
     from forgetrain.kernels._triton import interpreting
@@ -83,6 +83,9 @@ def _device_name(device: str) -> str:
 
     return f"cpu ({cpu_model()}; " + \
         ("Triton interpreter)" if interpreting() else "no interpreter)")
+
+
+_device_name = device_name_of  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 def _timings_summary(bench_result: dict | None) -> dict | None:
@@ -122,7 +125,7 @@ def seal(spec: KernelSpec, report: ValidationReport, bench_result: dict | None =
         "source_file": rel,
         "sealed_at": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "device": report.device,
-        "device_name": _device_name(report.device),
+        "device_name": device_name_of(report.device),
         "versions": versions(),
         "tolerances_version": report.tolerances_version,
         "contract": spec.describe(),

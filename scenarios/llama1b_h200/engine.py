@@ -183,10 +183,10 @@ class Engine:
         just-in-time bf16 weights under ``engine.bf16_weights=per_layer`` (module doc there)."""
         context = None
         if self.fast:
-            from scenarios.llama1b_h200.fast import _sdpa_priority
+            from scenarios.llama1b_h200.fast import sdpa_priority
 
             backend, device = self.opts.attention_backend, self.device
-            context = lambda: _sdpa_priority(backend, device)  # noqa: E731 - the recompute picks the same kernels
+            context = lambda: sdpa_priority(backend, device)  # noqa: E731 - the recompute picks the same kernels
         self.model.layer_runner = recompute.LayerRunner(
             self.model.layers, per_layer_dtype=torch.bfloat16 if self.per_layer else None,
             main_grad=self.main_grad if self.per_layer else None, fused=self._fused,

@@ -31,7 +31,7 @@ from scenarios.llama1b_h200 import fp8, wgrad
 from scenarios.llama1b_h200.wgrad import WGradAccum
 
 
-def _rope_cos_sin(s: int, d: int, base: float, device, dtype):
+def rope_cos_sin(s: int, d: int, base: float, device, dtype):
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
     f = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv)
     emb = torch.cat((f, f), dim=-1)
@@ -44,7 +44,7 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return t * cos + torch.cat((-t2, t1), dim=-1) * sin
 
 
-def _sdpa_priority(backend: str, device):
+def sdpa_priority(backend: str, device):
     """Prefer cuDNN attention on Hopper (about 2x flash's fwd+bwd at B1 H32 KV8 S4096 d128 on the H200: 1.07 ms
     against 2.0 ms), falling back to flash / efficient / math. Active while the blocks are traced,
     so compiled blocks bake the chosen kernel in."""
@@ -248,7 +248,7 @@ class FastLlama(nn.Module):
         s = ids.shape[1]
         key = (s, ids.device, self.embedding.weight.dtype)
         if key not in self._rope:
-            self._rope[key] = _rope_cos_sin(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device,
+            self._rope[key] = rope_cos_sin(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device,
                                             self.embedding.weight.dtype)
         cos, sin = self._rope[key]
         rope32 = None
@@ -260,7 +260,7 @@ class FastLlama(nn.Module):
                 self._rope[rk] = rope_tables(s, self.cfg.head_dim, self.cfg.rotary_base, ids.device)
             rope32 = self._rope[rk]
         x = wgrad.embedding(ids, self.embedding.weight, self.main_grad.get("embedding.weight"), acc)
-        with _sdpa_priority(self.attention_backend, ids.device):
+        with sdpa_priority(self.attention_backend, ids.device):
             run = self.layer_runner  # engine.recompute=full: a scenarios._llama.recompute.LayerRunner
             for i, blk in enumerate(self._blocks):
                 x = run(i, x, cos, sin, rope32, acc) if run is not None else blk(x, cos, sin, rope32, acc)
