@@ -205,7 +205,7 @@ def set_deterministic(on: bool, device: str) -> None:
 
     Needed on the CPU too: without it ``weight[ids]``'s backward (``index_put_`` with accumulate) adds repeated
     tokens' gradients in a thread-dependent order, so even the reference does not reproduce itself at the
-    llama_tiny shape (measured 2026-11-29: two identical backward passes differed).
+    llama_tiny shape (measured: two identical backward passes differed).
     """
     if on and device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -40,7 +40,7 @@ fp32 logsumexp (4*nq bytes), where v is a view into the fused QKV GEMM's output 
 normed x fed to fc1 (2h); fc1's output [gate; up] saved by SiLU*up (2f) and SwiGLU's output fed to fc2 (f). Outside
 the blocks: the final-norm input and the chunked CE's saved ``dh`` (2h). RoPE saves only its shared cos/sin tables.
 ``tests/test_memory.py`` checks the per-layer term against the storages a compiled block saves on CPU;
-``scripts/device/saved_tensors.py`` does the same on a GPU. Before the term counted the whole QKV buffer, the H200
+``experiments/free_qkv/saved_tensors.py`` does the same on a GPU. Before the term counted the whole QKV buffer, the H200
 peaks of ``llama8b_h200``'s offload layouts ran about 2.5 GiB above the estimate, which is that buffer's uncounted
 part for Llama-3-8B (32 layers x 8192 tokens x (nq + nkv)*d x 2 B).
 In exact mode (Megatron's unfused attention,
@@ -427,7 +427,7 @@ def _without_offload_hint(cfg, capacity: int) -> str:
 
 def saved_storages(fn, *args, exclude=(), **kwargs) -> tuple[object, list[dict]]:
     """Run ``fn(*args, **kwargs)`` and record what autograd saves for its backward: the measured counterpart of
-    :func:`estimate`'s activation term (``scripts/device/saved_tensors.py`` on a GPU; ``tests/test_memory.py`` on
+    :func:`estimate`'s activation term (``experiments/free_qkv/saved_tensors.py`` on a GPU; ``tests/test_memory.py`` on
     CPU). Returns (fn's output, rows), one row per distinct storage, largest first: ``{"bytes", "dtype",
     "shapes"}``. A storage is counted whole and once, because a saved view keeps its whole base alive; storages of
     the tensors in ``exclude`` (weights, main grads: counted by other parts) are left out. Uses

@@ -4,8 +4,8 @@ TRACE is the Chrome trace that ``forgetrain.bench`` writes (``profile_<side>.jso
 device calls bring them back as ``<tag>_profile_B.tgz``). Prints the GPU's busy span, the kernels' summed time and
 the idle share (span minus the union of kernel intervals, over the span), then the ``N`` kernels (default 25) with
 the most summed time: ms, share of kernel time, calls, mean us per call and the :func:`forgetrain.bench.classify`
-category the bench's per-category table puts them in. A per-kernel view is what a lever is chosen from: e.g. the
-2026-12-03 profile of the 8B proxy showed the compiled cross-entropy chunk at 1.56 ms per call.
+category the bench's per-category table puts them in. A per-kernel view is what a lever is chosen from: e.g. a
+profile of the 8B proxy showed the compiled cross-entropy chunk at 1.56 ms per call.
 
 Exits 2 with one ``error:`` line when TRACE is missing, not a trace, or holds no kernel events.
 """

@@ -14,14 +14,14 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # Without a GPU, Triton runs only in its interpreter, and TRITON_INTERPRET is read when triton is first imported:
 # set it before any test module can import it (the kernel-switch tests reach forgetrain.kernels before
-# test_kernels.py runs, and the interpreter then stayed off for the whole session).
+# test_kernels.py runs, and the interpreter then stayed off for the whole test run).
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Every test session shares one data cache (prepared once), separate from the user's."""
+    """Every test run shares one data cache (prepared once), separate from the user's."""
     cache = os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
     monkeypatch.setenv("FORGETRAIN_CACHE", cache)
     yield

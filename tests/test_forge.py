@@ -86,7 +86,7 @@ def log_of(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
-    """The session's shared data cache (the same one conftest's autouse fixture points at)."""
+    """The test run's shared data cache (the same one conftest's autouse fixture points at)."""
     cache = os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FORGETRAIN_CACHE", cache)

@@ -128,7 +128,7 @@ def test_secret_draws_stay_in_their_declared_ranges_and_bad_ranges_are_refused()
 
 
 def test_the_window_is_a_contiguous_run_of_the_corpus_with_hashes(tmp_path):
-    """The session's corpus (its shared test cache), cut at a drawn start: the window's documents are the
+    """The test run's corpus (its shared cache), cut at a drawn start: the window's documents are the
     corpus's, in order, and its manifest's hashes hold."""
     from forgetrain.data import integrity, prepare
     from forgetrain.data.loader import open_indexed

@@ -2,7 +2,7 @@
 
 torch runs ``_scaled_mm`` on CPU with the same FP8 operands, scales and fp32 accumulation as cuBLASLt on Hopper, so
 the quantisation, the operand layouts and the routing of the weight gradient are checked here; the speed and the
-loss-curve tier it declares need the GPU (scripts/device/call27_fp8.sh).
+loss-curve tier it declares need the GPU (experiments/fp8/).
 
 Bounds: round-to-nearest with p explicit mantissa bits has relative error at most 2^-(p+1). Its absolute error is
 uniform over half a unit in the last place, 2^(e-p-1) for a value m 2^e (m in [1, 2)); over mantissas spread as a

@@ -1,7 +1,7 @@
 """The stored H200 loss-curve goldens stay reachable from the shapes the device scripts judge at.
 
 A golden's directory name carries :func:`forgetrain.train.config_hash` of the reference run. A new config field
-that does not change the numbers (``train.skip_memory_check`` did, 2026-12-02) must stay out of the hash, or every
+that does not change the numbers (``train.skip_memory_check`` once did) must stay out of the hash, or every
 stored golden silently becomes "no golden for these seeds" and costs GPU time to remake. The shapes are read from
 ``scripts/device/shapes.sh``, the one place the device calls take them from.
 """
@@ -78,7 +78,7 @@ def _bitwise_dir(overrides: list[str]) -> Path:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_stored_h200_bitwise_golden_is_found(precision):
-    """The bitwise goldens made by scripts/device/call6_golden_h200.sh (2026-12-02) are found from its shape G."""
+    """The bitwise goldens made by experiments/bitwise/goldens_h200.sh are found from its shape G."""
     d = _bitwise_dir(_shape("G") + [f"train.precision={precision}"])
     assert (d / "trace").is_dir() and (d / "init.safetensors").is_file(), \
         f"{d} is missing; a config field changed the golden hash"

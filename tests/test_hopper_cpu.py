@@ -87,7 +87,7 @@ def test_fast_mode_switches_match_exact_at_step1_and_train(name):
 # One two-rank torchrun launch: the Megatron reference at DP=2 (DDP, grad_reduce_in_fp32; and ZeRO-1, its
 # distributed optimizer) and the Hopper engine's exact mode from its init, fp32 and bf16, a ZeRO-1 run saved at
 # step 3 and resumed, plus a mutant that skips the 1/DP scaling. The same code path
-# runs on NCCL on GPUs (scripts/device/multi_gpu_llama8b.sh).
+# runs on NCCL on GPUs (not yet run on more than one: issue 8).
 HOPPER_EXACT = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "mode=exact",
                 "train.deterministic=true", "train.micro_batch_size=2", "train.global_batch_size=8",
                 "train.lr_warmup_steps=2", "train.steps=6", "parallel=dp2"]

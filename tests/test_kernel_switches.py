@@ -122,7 +122,8 @@ def _registry(tmp_path: Path, kernel: str, sha: str | None, device: str = "cpu")
     return p
 
 
-# sealed on the H200 by scripts/device/kernels_bench.sh (docs/device_runs/2026-12-03/kernels_adamw_seal.json)
+# sealed on the H200 by experiments/kernels/seal_h200.sh (adamw), experiments/swiglu/ab_8b_proxy_h200.sh (swiglu) and
+# experiments/ce_chunk/ab_h200.sh (ce_chunk)
 CUDA_SEALED = {"adamw", "ce_chunk", "swiglu"}
 
 

@@ -1,6 +1,6 @@
 """The forged engine against the live Megatron-core reference on CPU, and every mutant rejected at the right place.
 
-The reference runs once per test session (``ref`` fixture); each candidate is judged against its trace.
+The reference runs once per test run (``ref`` fixture); each candidate is judged against its trace.
 Shapes: llama_micro (2 layers, width 64, GQA 4/2), micro-batch 2 x grad-accum 2, clipping active.
 """
 

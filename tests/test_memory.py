@@ -197,7 +197,7 @@ DEVICE_ONLY = ["engine.optimizer_offload_fraction=0", "engine.recompute=full", "
 def test_llama8b_h200_default_offloads_and_fits_with_headroom(monkeypatch):
     """The scenario default (the AdamW moments of 65% of the parameters in host memory, V copied out of the QKV
     output, every activation stored, resident bf16 weights, global batch 32) fits a 139 GiB H200 by the estimate
-    with at least 5 GiB left (issue 18's goal; 133.5 GiB measured on the H200 against 133.3 estimated, 2026-12-03)
+    with at least 5 GiB left (issue 18's goal; 133.5 GiB measured on the H200 against 133.3 estimated)
     and pins 43.5 GiB of host memory; without engine.free_qkv it no longer leaves 5 GiB, and without the offload it
     is refused before any step."""
     cfg = _compose(["scenario=llama8b_h200"])
@@ -389,8 +389,8 @@ def test_a_compiled_block_saves_what_the_estimate_counts(free_qkv):
     """The activation term against what autograd really keeps: one compiled FastBlock (bf16, GQA 8 heads / 2 groups)
     on CPU, every saved storage counted whole once (``memory.saved_storages``). The estimate may fall short only by
     what it leaves out on purpose: the shared RoPE cos/sin tables and the two norms' fp32 rstd. Without
-    ``engine.free_qkv`` V is a view that keeps the whole QKV output alive, and an estimate that counts V alone (the
-    estimate before 2026-12-03, 2.5 GiB short for llama8b_h200 on the H200) is rejected."""
+    ``engine.free_qkv`` V is a view that keeps the whole QKV output alive, and an estimate that counts V alone (2.5 GiB
+    short for llama8b_h200 on the H200) is rejected."""
     import torch
     from types import SimpleNamespace
 

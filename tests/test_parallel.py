@@ -116,7 +116,7 @@ def layout_tolerance() -> dict:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
-    """The session's data cache (as tests/conftest.py sets it), handed to the torchrun children."""
+    """The test run's data cache (as tests/conftest.py sets it), handed to the torchrun children."""
     return _cache(tmp_path_factory)
 
 
@@ -512,7 +512,7 @@ def test_lost_rank_ends_the_job_with_a_clear_message(cache, tmp_path, how):
     finally:
         for p in procs:
             _kill_group(p)
-        for pid in workers:  # torchrun starts its workers in their own sessions; a stopped one outlives it
+        for pid in workers:  # torchrun starts each worker in a session of its own; a stopped one outlives it
             try:
                 if "forgetrain" in Path(f"/proc/{pid}/cmdline").read_text():
                     os.kill(pid, signal.SIGKILL)

@@ -21,7 +21,7 @@ PROFILE_RULES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|gloo|c10d|comms|all_?reduce|reduce_?scatter|all_?gather"),
     ("optimizer", r"adam|_foreach|multi_tensor"),
     # gather_log|logsumexp: inductor's kernel of the forged chunked CE (logsumexp form: "..._exp_gather_log_mul_
-    # prepare_softmax_online_...", 2026-12-02 H200 profile), which the softmax rule below took for attention
+    # prepare_softmax_online_..." in an H200 profile), which the softmax rule below took for attention
     ("cross-entropy", r"cross_?entropy|nll|log_?softmax|\b_ce_|gather_log|logsumexp"),
     ("norm", r"rms_?norm|layer_?norm"),
     ("attention", r"sdpa|scaled_dot_product|flash|cudnn|efficient_attention|softmax"),

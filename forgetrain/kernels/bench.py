@@ -35,7 +35,7 @@ from forgetrain.kernels.spec import KernelSpec, nbytes, tree_map
 CEILINGS = {
     "memory_GBps": 4300.0,   # H200 device-to-device copy (docs/device.md, "Ceilings measured on the H200")
     "compute_TFLOPs": 790.0,  # H200 bf16 8192^3 matmul, same source (760 median of 30, ~794 first products)
-    "source": "docs/device.md (H200, measured 2026-11-29)",
+    "source": "docs/device.md (Ceilings measured on the H200)",
 }
 
 
@@ -112,8 +112,8 @@ def bench(spec: KernelSpec, device: str | torch.device = "cuda", shapes: str | l
     """
     device = torch.device(device)
     if device.type != "cuda" and not allow_cpu:
-        raise BenchSkipped("bench: skipped: benchmarks need a CUDA device (use the device machine: "
-                           "scripts/device/kernels_bench.sh)")
+        raise BenchSkipped("bench: skipped: benchmarks need a CUDA device (on the GPU machine: "
+                           "docs/kernels.md, 'Seals')")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchSkipped("bench: skipped: --device cuda but torch sees no CUDA device")
     grid = spec.grid(shapes) if isinstance(shapes, str) else list(shapes)

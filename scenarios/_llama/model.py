@@ -201,7 +201,7 @@ def rope_freqs(seq_length: int, head_dim: int, base: float, device) -> torch.Ten
 
     inv_freq is computed on the CPU and then moved, as Megatron's RotaryEmbedding does when it is built with CPU
     initialisation (the reference's setting): ``pow`` on the GPU can differ from the CPU in the last bit, which
-    showed as a 1-ulp divergence of the first attention output on the H200 (2026-11-29).
+    showed as a 1-ulp divergence of the first attention output on the H200.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     inv_freq = inv_freq.to(device)

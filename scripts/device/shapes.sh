@@ -13,7 +13,7 @@
 #         references/goldens/h200/llama1b_h200-loss_curve-17890fa97f85. LAYERS and MB change it (a new golden).
 #   P8:   the llama8b_h100 proxy (full 8B width, 4 layers, seq 8192, micro-batch 1, global batch 1, 300 steps):
 #         golden references/goldens/h200/llama8b_h100-loss_curve-24b726ebc7bf.
-#   G:    the bitwise goldens (call6): llama_micro, exact mode, deterministic, 8 steps; add train.precision=bf16 or
+#   G:    the bitwise goldens (experiments/bitwise/goldens_h200.sh): llama_micro, exact mode, deterministic, 8 steps; add train.precision=bf16 or
 #         fp32. Goldens references/goldens/h200/llama1b_h200-bitwise-{407c65b0ea05,6620e71f312d}.
 L="scenario=llama1b_h200 model.hidden_size=2048 model.num_layers=8 model.num_attention_heads=16 \
 model.num_query_groups=4 model.ffn_hidden_size=8192 model.vocab_size=32000 model.seq_length=2048 \

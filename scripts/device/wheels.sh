@@ -35,7 +35,7 @@ if [ -n "${SIDES:-}" ]; then
   py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python
   ls "$side"/deepspeed-* >/dev/null 2>&1 || \
     DS_BUILD_OPS=0 $py -m pip wheel -q --no-deps --no-build-isolation -w "$side" deepspeed==0.19.8
-  # DeepSpeed's ZeRO-Offload (call17) JIT-builds its cpu_adam C++ op with ninja and a C++ compiler: the device image
+  # DeepSpeed's ZeRO-Offload (experiments/peers/deepspeed_offload_h200.sh) JIT-builds its cpu_adam C++ op with ninja and a C++ compiler: the device image
   # has both (KINDS.md: ninja, CMake, nvcc and its host compiler), so no ninja wheel is carried.
   du -sh "$side"
 fi
