@@ -23,6 +23,7 @@ PLANTS = {
     "bf16_grad_accum": ("fp32 main_grad rounded to bf16 after every weight-gradient accumulation", "paired"),
     "bf16_ce": ("cross-entropy (softmax, log-sum-exp, dlogits) in bf16 instead of fp32", "paired"),
     "fp8": ("engine.fp8=tensorwise (the opt-in switch, judged again)", "paired"),
+    "fp8_lm_head": ("engine.fp8=tensorwise with engine.fp8_lm_head=true (the LM head's GEMMs in FP8 too)", "paired"),
     "default_unpaired": ("the scenario default from its own init and data order", "unpaired"),
     "no_output_scaling": ("attention output and fc2 initialised N(0, std) without Megatron's 1/sqrt(2L)", "unpaired"),
     # the bench's peers, judged as candidates: are they equivalent to the reference, and is FP8's departure in the
@@ -72,7 +73,7 @@ def planted(name: str, base):
     the unchanged plants. Raises KeyError for an unknown plant."""
     if name not in PLANTS:
         raise KeyError(f"unknown plant {name!r}; known: {', '.join(PLANTS)}")
-    if name in ("default", "repeat", "default_unpaired", "fp8"):
+    if name in ("default", "repeat", "default_unpaired", "fp8", "fp8_lm_head"):
         return base
     if name in PEERS:  # not the forged engine at all: the peer's own engine class, from the same init and batches
         import importlib
@@ -108,8 +109,9 @@ def planted(name: str, base):
 
 
 def run_config(name: str, rc):
-    """The run config plant ``name`` runs with (``fp8`` turns on ``engine.fp8=tensorwise``)."""
-    if name == "fp8":
+    """The run config plant ``name`` runs with (``fp8`` turns on ``engine.fp8=tensorwise``, ``fp8_lm_head`` that
+    and ``engine.fp8_lm_head=true``)."""
+    if name in ("fp8", "fp8_lm_head"):
         rc = copy.deepcopy(rc)
-        rc.engine = dataclasses.replace(rc.engine, fp8="tensorwise")
+        rc.engine = dataclasses.replace(rc.engine, fp8="tensorwise", fp8_lm_head=name == "fp8_lm_head")
     return rc

@@ -13,6 +13,7 @@
 # Needs the wheels of scripts/device/wheels.sh (torchao is among them): carry [".whl"]. Where torchao is missing on
 # the device its two sides are left out with one line and the others run.
 #   run:   bash experiments/peers/bench_all_sides.sh        (AGAINST=a,b replaces the reference sides; STEPS, WARMUP)
+#   CANDIDATE='{engine.fp8:tensorwise,engine.fp8_lm_head:true}' times another FP8 candidate in the same call
 #   PROFILE=1 adds one profiled step per side (bench.profile=true), its traces to $OUT/..._profiles.tgz
 #   check: DRY=1 bash experiments/peers/bench_all_sides.sh  prints the bench's overrides, one a line, and exits
 #          (tests/test_peers.py composes and validates them on CPU)
@@ -24,6 +25,7 @@ if [ -n "${DRY:-}" ]; then
 else
   . scripts/device/setup.sh
 fi
+CANDIDATE=${CANDIDATE:-"{engine.fp8:tensorwise}"}
 AGAINST=${AGAINST:-torch_compile,torchao_float8_tensorwise,torchao_float8_rowwise}
 if [ -z "${DRY:-}" ] && ! python3 -c "import torchao" >/dev/null 2>&1; then
   echo "torchao is not installed here (scripts/device/wheels.sh puts it in .whl): its sides are left out"
@@ -31,7 +33,7 @@ if [ -z "${DRY:-}" ] && ! python3 -c "import torchao" >/dev/null 2>&1; then
 fi
 # shellcheck disable=SC2206  # PROXY_GBS8 is a list of overrides, split on purpose
 ARGS=($PROXY_GBS8 hardware=h200 train.deterministic=false "bench.against=[$AGAINST]"
-      "bench.candidate={engine.fp8:tensorwise}" bench.interleave=once bench.single_micro_batch=true
+      "bench.candidate=$CANDIDATE" bench.interleave=once bench.single_micro_batch=true
       bench.steps=${STEPS:-6} bench.warmup=${WARMUP:-2} parallel.timeout_s=60)
 [ -n "${PROFILE:-}" ] && ARGS+=(bench.profile=true)  # one profiled untimed step per side: where each side's time goes
 if [ -n "${DRY:-}" ]; then
@@ -62,7 +64,7 @@ for key, oom in (("rows", "oom"), ("rows_single_micro_batch", "oom_single_micro_
         print(f"  {'side':<31} {'step_s':>7} {'tokens/s':>8} {'MFU% PaLM':>9} {'MFU% causal':>11} {'GiB':>6} "
               f"{'forged x':>8}")
     for x in rows:
-        side = "candidate (engine.fp8=tensorwise)" if x["side"] == "candidate" else x["side"]
+        side = "candidate (bench.candidate)" if x["side"] == "candidate" else x["side"]
         mem = f"{x['mem_gib']:.1f}" if x["mem_gib"] is not None else "-"
         print(f"  {side:<31} {x['step_s']:>7.4f} {x['tokens_per_s']:>8,.0f} {x['mfu_pct']:>9.2f} "
               f"{x['mfu_causal_pct']:>11.2f} {mem:>6} {x['forged_speedup']:>8.3f}")
