@@ -154,7 +154,7 @@ def test_triton_ce_keeps_the_lm_head_on_autograd():
 
 def test_bench_info_names_the_path():
     rest = {"recompute": "none", "recompute_num_layers": None, "optimizer_offload_fraction": 0.0,
-            "fp8": "none"}
+            "fp8": "none", "fp8_lm_head": False}
     assert _engine(True, "torch", precision="bf16").bench_info == {"grad_accum_fusion": "fp32_upcast",
                                                                    "bf16_weights": "resident", **rest}
     assert _engine(False, "torch").bench_info == {"grad_accum_fusion": None, "bf16_weights": None, **rest}
