@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -52,17 +50,10 @@ def breakdown(times_us: list[tuple[str, float]], basis: str, step_ms: float) -> 
 
 
 def _export_trace(prof, path: Path) -> None:
-    """``prof.export_chrome_trace`` to ``path`` atomically (a temp name in the same directory, then replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """``prof.export_chrome_trace`` to ``path`` atomically (:func:`forgetrain.trace.atomic_write_with`)."""
+    from forgetrain.trace import atomic_write_with
+
+    atomic_write_with(path, prof.export_chrome_trace)
 
 
 def profile_step(eng, batch: list[torch.Tensor], device: torch.device, trace_path: Optional[Path] = None) -> dict:
