@@ -19,7 +19,7 @@ case "${SHAPE:?SHAPE=p8|r1b}" in
   r1b) W="$R1B $FIVE"; ALL=1234,1235,1236,1237,1238 ;;  # seeds 1237-1238: golden_seeds_h200.sh first
   *) echo "error: SHAPE=p8|r1b, got $SHAPE"; exit 2 ;;
 esac
-TAG="${SHAPE}_$(echo "${PLANTS:?PLANTS=a,b (plants.py)}" | tr ',' '_')"
+TAG="${SHAPE}_$(echo "${PLANTS:?PLANTS=a,b:N (plants.py; :N its first N seeds)}" | tr ',:' '_-')"
 df -h /tmp | tail -1
 python3 experiments/equivalence_power/run.py --out "$OUT/$TAG" --plants "$PLANTS" --seeds "${SEEDS:-$ALL}" \
   --budget-s $(( $(left) - 60 )) -- $W verify.init_cache=/tmp/ftinit > "$OUT/$TAG.log" 2>&1  # a cut call keeps its log

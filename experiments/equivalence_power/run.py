@@ -2,8 +2,12 @@
 judged by ``forgetrain.verify``'s own judge (paired against every seed's regenerated reference init, or unpaired
 from the candidate's own init), in one process.
 
-    python experiments/equivalence_power/run.py --out DIR --plants default,lr_x0.95 [--seeds 1234,1235,1236]
+    python experiments/equivalence_power/run.py --out DIR --plants default,lr_x0.95:3 [--seeds 1234,1235,1236]
         [--budget-s 560] -- <verify overrides: the golden's shape, e.g. $P8 of scripts/device/shapes.sh>
+
+A plant written ``name:N`` is judged on the first N (>= 3) of the seeds only: a FAIL whose window lies wholly
+outside its margin needs no more, while a PASS at the 8B proxy needs 5 (docs/equivalence_power.md). Its row says
+which seeds it ran on.
 
 Per plant it writes ``DIR/<plant>/verdict.json`` and ``loss_curves.png``, and after every plant the running
 table ``DIR/power.json`` (each mode's smallest detected shift, and each paired plant against ``default`` seed by
@@ -48,7 +52,8 @@ def compose(overrides: list[str]):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--plants", required=True, help="comma-separated names of plants.PLANTS")
+    ap.add_argument("--plants", required=True, help="comma-separated names of plants.PLANTS, each optionally :N "
+                    "(its first N seeds only)")
     ap.add_argument("--seeds", default=None, help="paired seeds (default: verify.seeds)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop before a plant that would not fit")
     ap.add_argument("overrides", nargs="*")
@@ -65,11 +70,21 @@ def main(argv=None) -> int:
     if len(seeds) < 3:  # the judge's band and interval need >= 3 reference seeds: refuse before any run
         print(f"error: --seeds needs 3 or more of the golden's seeds, got {seeds}", file=sys.stderr)
         return 2
+    plan = []
+    for spec in a.plants.split(","):
+        name, _, n = spec.partition(":")
+        if name not in P.PLANTS:
+            print(f"error: unknown plant {name!r}; known: {', '.join(P.PLANTS)}", file=sys.stderr)
+            return 2
+        if n and not (n.isdigit() and 3 <= int(n) <= len(seeds)):
+            print(f"error: plant {spec!r}: N must be 3 to {len(seeds)} (the seeds given)", file=sys.stderr)
+            return 2
+        plan.append((name, seeds[: int(n)] if n else seeds))
     vcfg = dataclasses.replace(vcfg, seeds=seeds)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     gdir = V.curve_golden_dir(rc, vcfg)
-    refs = V._curve_golden_traces(gdir, vcfg)
+    refs_all = dict(zip(seeds, V._curve_golden_traces(gdir, vcfg)))
     hashes = V._golden_init_hashes(gdir, seeds)
     if hashes is None:
         V.pin_init(rc, vcfg, gdir)
@@ -81,21 +96,22 @@ def main(argv=None) -> int:
     tier_cfg = V.tier_config("loss_curve", vcfg.reference)
     base = registry.resolve_engine(rc.scenario.engine)
     rows, per_run = [], None
-    for name in a.plants.split(","):
+    for name, pseeds in plan:
         desc, mode = P.PLANTS[name]
-        runs_n = len(seeds) if mode == "paired" else len(vcfg.candidate_seeds)
+        runs_n = len(pseeds) if mode == "paired" else len(vcfg.candidate_seeds)
         left = a.budget_s - (time.time() - t0)
         if per_run is not None and left < per_run * runs_n + 15:
             rows.append({"plant": name, "skipped": f"{left:.0f} s left, ~{per_run * runs_n:.0f} s needed"})
             print(f"skip {name}: {rows[-1]['skipped']}", flush=True)
             continue
         t1 = time.time()
-        inits = [lambda s=s: V.golden_init(rc, vcfg, gdir, s, hashes[s]) for s in seeds] if mode == "paired" else None
-        vq = dataclasses.replace(vcfg, candidate_seeds=[] if mode == "paired" else vcfg.candidate_seeds)
+        inits = [lambda s=s: V.golden_init(rc, vcfg, gdir, s, hashes[s]) for s in pseeds] if mode == "paired" else None
+        vq = dataclasses.replace(vcfg, seeds=pseeds,
+                                 candidate_seeds=[] if mode == "paired" else vcfg.candidate_seeds)
         runs = V.curve_candidate_runs(P.run_config(name, rc), vq, out / name, inits, P.planted(name, base))
-        v = V.judge("loss_curve", tier_cfg, refs, runs, out / name)[-1]
+        v = V.judge("loss_curve", tier_cfg, [refs_all[s] for s in pseeds], runs, out / name)[-1]
         per_run = (time.time() - t1) / runs_n
-        row = {"plant": name, "what": desc, "mode": mode, "passed": v.passed, "summary": v.summary,
+        row = {"plant": name, "what": desc, "mode": mode, "seeds": pseeds, "passed": v.passed, "summary": v.summary,
                "wall_s": round(time.time() - t1, 1)}
         if "paired" in v.evidence:
             pe = v.evidence["paired"]
@@ -104,7 +120,8 @@ def main(argv=None) -> int:
             row["detects_nats"], row["detects_rel"] = pe["power"]["detects_nats"], pe["power"]["detects_rel"]
             base_row = next((r for r in rows if r["plant"] == "default" and "late_diff_per_seed" in r), None)
             if base_row is not None and name != "default":  # this plant against the default, seed by seed
-                d = [a - b for a, b in zip(row["late_diff_per_seed"], base_row["late_diff_per_seed"])]
+                by_seed = dict(zip(base_row["seeds"], base_row["late_diff_per_seed"]))
+                d = [a - by_seed[s] for a, s in zip(row["late_diff_per_seed"], pseeds) if s in by_seed]
                 row["vs_default_per_seed"] = d
                 row["vs_default_sd"] = statistics.stdev(d) if len(d) > 1 else None
         else:
