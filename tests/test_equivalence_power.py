@@ -58,3 +58,30 @@ def test_fewer_than_three_seeds_is_refused_before_any_run(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --seeds needs 3 or more of the golden's seeds, got [1234, 1235]"]
     assert not out.exists()
+
+
+def test_each_peer_plant_is_valid_at_the_gpu_shapes(monkeypatch):
+    """A peer plant at the shapes of the device script (scripts/device/shapes.sh: P8, R1B) passes the checks its
+    training run makes with its own engine class: the scenario default's levers and forged kernels are the forged
+    engine's, so the peer must not inherit them (it did, and its run was refused on the GPU)."""
+    import torch
+
+    from forgetrain.config.checks import validate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = _run_module()
+    sys.path.insert(0, str(RUN.parent))
+    try:
+        import plants as P
+    finally:
+        sys.path.remove(str(RUN.parent))
+    shapes = {"p8": ["scenario=llama8b_h100", "model.num_layers=4", "train.micro_batch_size=1",
+                     "train.global_batch_size=1"],
+              "r1b": ["scenario=llama1b_h200", "model.num_layers=8", "train.micro_batch_size=2",
+                      "train.global_batch_size=4"]}
+    for shape in shapes.values():
+        rc, _ = run.compose(shape + ["hardware=h200", "train.deterministic=false", "train.skip_memory_check=true",
+                                     "tier=loss_curve", "verify.golden=true"])
+        for name in P.PEERS:
+            validate(P.run_config(name, rc), world_size=1, engine_cls=P.planted(name, None), reference=False)

@@ -110,7 +110,14 @@ def planted(name: str, base):
 
 def run_config(name: str, rc):
     """The run config plant ``name`` runs with (``fp8`` turns on ``engine.fp8=tensorwise``, ``fp8_lm_head`` that
-    and ``engine.fp8_lm_head=true``)."""
+    and ``engine.fp8_lm_head=true``; a peer runs with the engine options and kernel switches at their defaults but
+    the mode, since the scenario default's levers and forged Triton kernels are the forged engine's own)."""
+    if name in PEERS:
+        from forgetrain.config import EngineOptions, KernelsConfig
+
+        rc = copy.deepcopy(rc)
+        rc.engine, rc.kernels = EngineOptions(mode=rc.engine.mode), KernelsConfig()
+        return rc
     if name in ("fp8", "fp8_lm_head"):
         rc = copy.deepcopy(rc)
         rc.engine = dataclasses.replace(rc.engine, fp8="tensorwise", fp8_lm_head=name == "fp8_lm_head")
