@@ -52,6 +52,7 @@ LONG_RUN = 150  # one run this long refuses the engine (the honest engines' long
 MAX_SHARED = 800  # ... as do this many tokens in counted runs, over all the engine's files (honest: 489)
 INDEX_VERSION = 3
 
+
 def _const(node: ast.AST):
     """(True, value) when ``node`` is a constant, else (False, None)."""
     return (True, node.value) if isinstance(node, ast.Constant) else (False, None)
@@ -120,16 +121,18 @@ def _const_token(v) -> str:
 
 def tokens(src: str, filename: str = "<src>") -> tuple[np.ndarray, np.ndarray]:
     """(token ids, line of each token) of ``src`` normalised (:class:`Normalise`): its node types in pre-order,
-    identifiers, strings and numbers abstracted to their kind, annotations left out. Raises SyntaxError."""
-    tree = Normalise().visit(ast.parse(src, filename=filename))
+    identifiers, strings and numbers abstracted to their kind, annotations left out. Raises SyntaxError, also for
+    a tree nested past the interpreter's recursion limit (it cannot be checked, so it is refused)."""
+    try:
+        tree = Normalise().visit(ast.parse(src, filename=filename))
+    except RecursionError:
+        raise SyntaxError("nested too deeply to check", (filename, 1, 0, "")) from None
     ids, lines = [], []
     stack = [(tree, 1)]
     while stack:
         node, line = stack.pop()
         line = getattr(node, "lineno", line)
         name = _const_token(node.value) if isinstance(node, ast.Constant) else type(node).__name__
-        if isinstance(node, (ast.expr_context,)):
-            continue
         ids.append(_tid(name))
         lines.append(line)
         kids = []
@@ -198,7 +201,8 @@ def build_index(roots: list[Path], old: dict | None = None) -> dict:
     """``{"version", "files": {path: [size, mtime_ns]}, "per_file": {path: (hashes, lines)}, "paths",
     "hashes", "file", "line"}``: the winnowed fingerprints (:func:`fingerprints`) of every ``.py`` file under
     ``roots``, ``hashes`` sorted with the file (an index into ``paths``) and line of each; the fingerprints of
-    ``old`` whose file is unchanged are reused. A file that does not parse adds nothing."""
+    ``old`` whose file is unchanged are reused. A file that does not parse adds nothing. Raises OSError for a
+    file that cannot be read."""
     old = old if old and old.get("version") == INDEX_VERSION else {"files": {}, "per_file": {}}
     files, per_file = {}, {}
     for p in [f for r in roots for f in _py_files(r)]:
