@@ -73,8 +73,9 @@ def _renamed_copy(src: Path, dst: Path) -> None:
 
 
 def test_content_check_refuses_a_reference_under_any_name(tmp_path):
-    """A renamed copy of megatron-core's code, or of references/megatron, shares its normalised syntax trees with
-    the index whatever the names; the scenarios' own engines share nothing that counts."""
+    """A renamed copy of megatron-core's code, or of references/megatron, shares its normalised code with the
+    index whatever the names; the scenarios' own engines share nothing that counts (the reshaped copies:
+    ``tests/test_forge_content.py``)."""
     import importlib.util
 
     from forgetrain.forge import content
@@ -84,17 +85,6 @@ def test_content_check_refuses_a_reference_under_any_name(tmp_path):
     mc = Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core"
     _renamed_copy(mc / "optimizer" / "clip_grads.py", tmp_path / "a" / "engine" / "_vendor" / "grads.py")
     hits = content.scan(tmp_path / "a" / "engine", idx)
-    assert hits and "the whole module" in hits[0] and "megatron/core/optimizer/clip_grads.py" in hits[0]
+    assert hits and "_vendor/grads.py" in hits[0] and "megatron/core/optimizer/clip_grads.py" in hits[0]
     _renamed_copy(ROOT / "references" / "megatron" / "engine.py", tmp_path / "b" / "engine" / "x.py")
     assert any("references/megatron/engine.py" in h for h in content.scan(tmp_path / "b" / "engine", idx))
-    # one mid-sized function copied is below both limits; a large one alone is enough
-    import ast
-
-    tree = ast.parse((mc / "optimizer" / "clip_grads.py").read_text())
-    fns = {n.name: ast.get_source_segment((mc / "optimizer" / "clip_grads.py").read_text(), n)
-           for n in tree.body if isinstance(n, ast.FunctionDef)}
-    (tmp_path / "c" / "engine").mkdir(parents=True)
-    (tmp_path / "c" / "engine" / "one.py").write_text(fns["clip_grad_by_total_norm_fp32"].replace("megatron", "m"))
-    assert content.scan(tmp_path / "c" / "engine", idx) == []
-    (tmp_path / "c" / "engine" / "big.py").write_text(fns["get_grad_norm_fp32"])
-    assert "get_grad_norm_fp32" in content.scan(tmp_path / "c" / "engine", idx)[0]
