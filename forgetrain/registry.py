@@ -7,7 +7,8 @@ may name the same engine (``llama1b_h200``, ``llama8b_h100`` and ``llama3b_h200`
 only a new engine needs new code.
 
 A reference is a package ``references/<name>/`` whose ``engine.py`` defines ``Engine``
-(:func:`load_engine_class`). Both follow :class:`forgetrain.engine.TrainEngine`; neither is imported at module
+(:func:`load_engine_class`). A forged engine package declares its ``engine.*`` levers and what it implements in
+``levers.py`` (:func:`lever_specs`, :mod:`forgetrain.levers`). Both follow :class:`forgetrain.engine.TrainEngine`; neither is imported at module
 level by the harness.
 """
 
@@ -107,3 +108,21 @@ def load_engine_class(kind: str, name: str):
 
         require(extra[0], extra[1], f"{kind}/{name}")
     return mod.Engine
+
+
+def lever_specs() -> list:
+    """The :class:`forgetrain.levers.EngineSpec` of every forged engine package that declares a lever table: the
+    ``SPEC`` of ``scenarios/<package>/levers.py``, by package name. The ``engine.*`` config group is the union of
+    their levers (``forgetrain.config.EngineOptions``) and validation runs their rules. Light: a lever table imports
+    no torch. Raises ConfigError when a ``levers.py`` defines no ``SPEC``."""
+    from forgetrain.levers import EngineSpec
+
+    out = []
+    for pkg in _packages("scenarios"):
+        if not (_ROOT / "scenarios" / pkg / "levers.py").is_file():
+            continue
+        spec = getattr(importlib.import_module(f"scenarios.{pkg}.levers"), "SPEC", None)
+        if not isinstance(spec, EngineSpec):
+            raise ConfigError(f"scenarios/{pkg}/levers.py defines no SPEC = forgetrain.levers.EngineSpec(...)")
+        out.append(spec)
+    return out

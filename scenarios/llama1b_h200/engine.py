@@ -49,6 +49,7 @@ from forgetrain.schedule import lr_for_step
 from scenarios._llama import layout, optim, recompute
 from scenarios._llama.model import Llama
 from scenarios._llama.parallel import GradBuffer, ParallelState, megatron_registration_order
+from scenarios.llama1b_h200.levers import SPEC
 from scenarios.llama1b_h200.wgrad import WGradAccum, probe_path
 
 
@@ -62,19 +63,9 @@ class Engine:
     ``parallel.bucket_size`` (its DP buffer is reduced once, after the last micro-batch).
     """
 
-    # Kernel switches honoured (forgetrain/kernels/switches.py): engine.mode[/device] -> non-default values.
-    # Exact mode keeps Megatron's ops (only the optimizer step is switchable); torch's fused AdamW runs on CUDA only.
-    kernel_switches = {
-        "fast": {"rmsnorm": ("triton",), "swiglu": ("triton",), "rope": ("triton",),
-                 "cross_entropy": ("chunked", "triton"), "ce_chunk": ("triton",), "adamw": ("triton",)},
-        "fast/cuda": {"adamw": ("fused",)},
-        "exact": {"adamw": ("triton",)},
-        "exact/cuda": {"adamw": ("fused",)},
-    }
-    engine_modes = ("exact", "fast")  # engine.mode values it runs (config.validate refuses others)
-    supports_recompute = True  # engine.recompute=full and engine.bf16_weights=per_layer (scenarios/_llama/recompute)
-    supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N layers only
-    supports_optimizer_offload = True  # engine.optimizer_offload_fraction (scenarios/_llama/optim.HostMoments)
+    # what it implements: modes, recompute, optimizer offload, the kernel switches it honours, and its engine.*
+    # levers with their tiers (levers.py, the one table; config.validate reads it)
+    spec = SPEC
 
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)
