@@ -154,3 +154,19 @@ def rows(levers) -> list[dict]:
     return [{"name": f"engine.{lv.name}", "type": getattr(lv.type, "__name__", str(lv.type)), "default": lv.default,
              "exact": lv.exact, "fast_base": lv.fast_base, "tier": lv.tier, "needs": lv.needs, "doc": lv.doc}
             for lv in levers]
+
+
+def table(levers) -> str:
+    """``levers`` as aligned text, one line per lever: name, default, exact, fast_base, tier, needs
+    (``python -m forgetrain.levers`` prints the forged engines' table)."""
+    cols = ("name", "default", "exact", "fast_base", "tier", "needs")
+    data = [[str(r[c]) for c in cols] for r in rows(levers)]
+    width = [max(len(c), *(len(d[i]) for d in data)) for i, c in enumerate(cols)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, width)).rstrip()
+                     for line in [list(cols), *data])
+
+
+if __name__ == "__main__":
+    from forgetrain import registry
+
+    print(table(merge(registry.lever_specs())))
