@@ -8,12 +8,13 @@ only a new engine needs new code.
 
 A reference is a package ``references/<name>/`` whose ``engine.py`` defines ``Engine``
 (:func:`load_engine_class`). A forged engine package declares its ``engine.*`` levers and what it implements in
-``levers.py`` (:func:`lever_specs`, :mod:`forgetrain.levers`). Both follow :class:`forgetrain.engine.TrainEngine`; neither is imported at module
-level by the harness.
+``levers.py`` (:func:`lever_specs`, :mod:`forgetrain.levers`). Both follow :class:`forgetrain.engine.TrainEngine`;
+neither engine is imported at module level by the harness.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -114,15 +115,23 @@ def lever_specs() -> list:
     """The :class:`forgetrain.levers.EngineSpec` of every forged engine package that declares a lever table: the
     ``SPEC`` of ``scenarios/<package>/levers.py``, by package name. The ``engine.*`` config group is the union of
     their levers (``forgetrain.config.EngineOptions``) and validation runs their rules. Light: a lever table imports
-    no torch. Raises ConfigError when a ``levers.py`` defines no ``SPEC``."""
+    no torch. The tables' modules are imported once per process (the first call, at the config's import) and kept,
+    so a later call touches no file and reads the tables the schema was built from, whatever a forge candidate
+    installed as ``scenarios.<package>`` since. Raises ConfigError when a ``levers.py`` defines no ``SPEC``."""
     from forgetrain.levers import EngineSpec
 
     out = []
-    for pkg in _packages("scenarios"):
-        if not (_ROOT / "scenarios" / pkg / "levers.py").is_file():
-            continue
-        spec = getattr(importlib.import_module(f"scenarios.{pkg}.levers"), "SPEC", None)
+    for mod in lever_modules():
+        spec = getattr(mod, "SPEC", None)
         if not isinstance(spec, EngineSpec):
-            raise ConfigError(f"scenarios/{pkg}/levers.py defines no SPEC = forgetrain.levers.EngineSpec(...)")
+            raise ConfigError(f"{mod.__file__} defines no SPEC = forgetrain.levers.EngineSpec(...)")
         out.append(spec)
     return out
+
+
+@functools.cache
+def lever_modules() -> tuple:
+    """The ``levers`` modules of the forged engine packages under ``scenarios/`` that hold one, by package name
+    (imported once per process)."""
+    return tuple(importlib.import_module(f"scenarios.{p}.levers") for p in _packages("scenarios")
+                 if (_ROOT / "scenarios" / p / "levers.py").is_file())

@@ -8,7 +8,8 @@ accumulation fusion (``wgrad.py``); it inherits from no other engine.
 Precision (``train.precision=bf16``): bf16 model weights, fp32 main weights, fp32 gradient accumulation buffers
 (``main_grad``), fp32 AdamW state -- Megatron's mixed-precision recipe. ``fp32`` keeps everything in fp32.
 
-Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier is listed in ``optimisations.yaml``):
+Two modes, chosen by ``engine.mode`` (every lever and its declared tier: ``levers.py``; the evidence:
+``optimisations.yaml``):
 
 * ``exact`` -- the op-by-op Megatron mirror (``scenarios/_llama/model.py``, whose alignment notes apply),
   torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and clipping
