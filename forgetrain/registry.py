@@ -114,16 +114,12 @@ def load_engine_class(kind: str, name: str):
 def lever_specs() -> list:
     """The :class:`forgetrain.levers.EngineSpec` of every forged engine package that declares a lever table: the
     ``SPEC`` of ``scenarios/<package>/levers.py``, by package name. The ``engine.*`` config group is the union of
-    their levers (``forgetrain.config.EngineOptions``) and validation runs their rules. Light: a lever table imports
-    no torch. The tables' modules are imported once per process (the first call, at the config's import) and kept,
-    so a later call touches no file and reads the tables the schema was built from, whatever a forge candidate
-    installed as ``scenarios.<package>`` since. Raises ConfigError when a ``levers.py`` defines no ``SPEC``."""
-    from forgetrain.levers import EngineSpec
-
+    their levers (``forgetrain.config.EngineOptions``) and validation runs their rules. Raises ConfigError when a
+    ``levers.py`` defines no ``SPEC``."""
     out = []
     for mod in lever_modules():
         spec = getattr(mod, "SPEC", None)
-        if not isinstance(spec, EngineSpec):
+        if spec is None:
             raise ConfigError(f"{mod.__file__} defines no SPEC = forgetrain.levers.EngineSpec(...)")
         out.append(spec)
     return out
@@ -131,7 +127,19 @@ def lever_specs() -> list:
 
 @functools.cache
 def lever_modules() -> tuple:
-    """The ``levers`` modules of the forged engine packages under ``scenarios/`` that hold one, by package name
-    (imported once per process)."""
-    return tuple(importlib.import_module(f"scenarios.{p}.levers") for p in _packages("scenarios")
-                 if (_ROOT / "scenarios" / p / "levers.py").is_file())
+    """The ``levers.py`` tables of the forged engine packages under ``scenarios/`` that hold one, by package name,
+    each run once per process (the first call, at the config's import) into a module of the harness's own, kept
+    here and not entered in ``sys.modules``: the harness imports no engine package (a forge candidate runs with only
+    its own engine's modules loaded from outside forgetrain/ and the installed packages). A table imports no torch,
+    only :mod:`forgetrain.levers`."""
+    import importlib.util
+
+    out = []
+    for pkg in _packages("scenarios"):
+        path = _ROOT / "scenarios" / pkg / "levers.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(f"scenarios.{pkg}.levers", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            out.append(mod)
+    return tuple(out)

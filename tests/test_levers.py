@@ -40,10 +40,12 @@ NEW = levers.Lever("fp8_attention", bool, False, "loss_curve", "attention's two 
 
 @pytest.fixture
 def with_new_lever(monkeypatch):
-    """The Hopper table with :data:`NEW` appended (a copy; the module's ``SPEC`` is swapped for the test), the
+    """The Hopper table with :data:`NEW` appended (a copy, which the registry hands the harness for the test), the
     ``engine.*`` schema and the mode presets rebuilt from it; everything restored afterwards."""
-    spec = dataclasses.replace(hopper_levers.SPEC, levers=hopper_levers.SPEC.levers + (NEW,))
-    monkeypatch.setattr(hopper_levers, "SPEC", spec)
+    specs = registry.lever_specs()
+    hopper = next(i for i, s in enumerate(specs) if "fp8" in {lv.name for lv in s.levers})
+    spec = dataclasses.replace(specs[hopper], levers=specs[hopper].levers + (NEW,))
+    monkeypatch.setattr(registry, "lever_specs", lambda: specs[:hopper] + [spec] + specs[hopper + 1:])
     monkeypatch.setattr(schema, "EngineOptions", schema.engine_options_class())
     register_configs()
     yield spec
