@@ -303,9 +303,16 @@ def host_estimate(cfg) -> MemoryEstimate:
 
 def per_layer_weights_possible(cfg) -> bool:
     """Whether ``engine.bf16_weights=per_layer`` can run with ``cfg``'s precision and layout (with
-    ``engine.recompute=full``): bf16 on one GPU without ZeRO. The one statement of that precondition: validation
-    (``forgetrain.config.validate``) and the memory check's remedies read it."""
-    return cfg.train.precision == "bf16" and cfg.parallel.data_parallel_size == 1 and cfg.parallel.zero_stage == 0
+    ``engine.recompute=full``), as the ``bf16_weights`` lever's own rule says (the engine's lever table,
+    ``scenarios/llama1b_h200/levers.py``: bf16 on one GPU without ZeRO). False when no table declares the lever.
+    The memory check's remedies read it."""
+    from forgetrain import levers, registry
+
+    lv = {x.name: x for x in levers.merge(registry.lever_specs())}.get("bf16_weights")
+    if lv is None or lv.rule is None:
+        return False
+    per_layer = replace(cfg, engine=replace(cfg.engine, bf16_weights="per_layer", recompute="full"))
+    return lv.rule(per_layer, False) is None
 
 
 def remedies(cfg, where: str = "device") -> list[str]:

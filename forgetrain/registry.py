@@ -7,12 +7,14 @@ may name the same engine (``llama1b_h200``, ``llama8b_h100`` and ``llama3b_h200`
 only a new engine needs new code.
 
 A reference is a package ``references/<name>/`` whose ``engine.py`` defines ``Engine``
-(:func:`load_engine_class`). Both follow :class:`forgetrain.engine.TrainEngine`; neither is imported at module
-level by the harness.
+(:func:`load_engine_class`). A forged engine package declares its ``engine.*`` levers and what it implements in
+``levers.py`` (:func:`lever_specs`, :mod:`forgetrain.levers`). Both follow :class:`forgetrain.engine.TrainEngine`;
+neither engine is imported at module level by the harness.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -107,3 +109,37 @@ def load_engine_class(kind: str, name: str):
 
         require(extra[0], extra[1], f"{kind}/{name}")
     return mod.Engine
+
+
+def lever_specs() -> list:
+    """The :class:`forgetrain.levers.EngineSpec` of every forged engine package that declares a lever table: the
+    ``SPEC`` of ``scenarios/<package>/levers.py``, by package name. The ``engine.*`` config group is the union of
+    their levers (``forgetrain.config.EngineOptions``) and validation runs their rules. Raises ConfigError when a
+    ``levers.py`` defines no ``SPEC``."""
+    out = []
+    for mod in lever_modules():
+        spec = getattr(mod, "SPEC", None)
+        if spec is None:
+            raise ConfigError(f"{mod.__file__} defines no SPEC = forgetrain.levers.EngineSpec(...)")
+        out.append(spec)
+    return out
+
+
+@functools.cache
+def lever_modules() -> tuple:
+    """The ``levers.py`` tables of the forged engine packages under ``scenarios/`` that hold one, by package name,
+    each run once per process (the first call, at the config's import) into a module of the harness's own, kept
+    here and not entered in ``sys.modules``: the harness imports no engine package (a forge candidate runs with only
+    its own engine's modules loaded from outside forgetrain/ and the installed packages). A table imports no torch,
+    only :mod:`forgetrain.levers`."""
+    import importlib.util
+
+    out = []
+    for pkg in _packages("scenarios"):
+        path = _ROOT / "scenarios" / pkg / "levers.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(f"scenarios.{pkg}.levers", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            out.append(mod)
+    return tuple(out)

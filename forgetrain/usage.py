@@ -88,16 +88,24 @@ def _listed_groups(conf_dir: str, config_name: str) -> set[str]:
 
 
 def _groups(conf_dir: str, cfg, config_name: str | None = None) -> list[str]:
-    """``group: option, ...`` for every config group under ``conf_dir`` that the command composes: a key of the
-    composed ``cfg``, or a group in the defaults list of the primary config ``config_name``."""
+    """``group: option, ...`` for every config group the command composes (a key of the composed ``cfg``, or a
+    group in the defaults list of the primary config ``config_name``): the YAML files under ``conf_dir`` and the
+    options stored in Hydra's ConfigStore (the ``mode`` presets; the ``*_schema`` entries left out)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    stored = {g: [n[:-5] for n in cs.list(g) if n.endswith(".yaml") and not n[:-5].endswith("_schema")]
+              for g, node in cs.repo.items() if isinstance(node, dict)}
+    dirs = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in Path(conf_dir).iterdir()
+            if p.is_dir() and not p.name.startswith(".")}
     out = []
     listed = _listed_groups(conf_dir, config_name) if config_name else set()
-    for d in sorted(p for p in Path(conf_dir).iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if d.name not in cfg and d.name not in listed:
+    for g in sorted(set(dirs) | set(stored)):
+        if g not in cfg and g not in listed:
             continue
-        opts = sorted(p.stem for p in d.glob("*.yaml"))
+        opts = sorted(set(dirs.get(g, [])) | set(stored.get(g, [])))
         if opts:
-            out.append(f"{d.name}: {', '.join(opts)}")
+            out.append(f"{g}: {', '.join(opts)}")
     return out
 
 

@@ -67,12 +67,16 @@ def run_switch(name: str, ref: str, out: str, engine_cls=None, **model) -> None:
 
 
 def declared(entries: list[str], kernels: dict) -> str:
-    """The weakest tier declared by ``entries`` of optimisations.yaml and by the kernel switch values ``kernels``
+    """The weakest tier declared by ``entries`` of optimisations.yaml (an engine lever's by its row in the lever
+    table, scenarios/llama1b_h200/levers.py) and by the kernel switch values ``kernels``
     (forgetrain/kernels/switches.py)."""
     from omegaconf import OmegaConf
 
+    from scenarios.llama1b_h200.levers import SPEC
+
     opts = OmegaConf.load(ROOT / "scenarios" / "llama1b_h200" / "optimisations.yaml").optimisations
-    return max([opts[e].declared_tier for e in entries] + switches.tier_of(kernels), key=LADDER.index)
+    tiers = [SPEC.lever(opts[e].lever).tier if "lever" in opts[e] else opts[e].declared_tier for e in entries]
+    return max(tiers + switches.tier_of(kernels), key=LADDER.index)
 
 
 @pytest.fixture(scope="module")

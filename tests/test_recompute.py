@@ -201,10 +201,10 @@ def test_an_engine_without_recompute_refuses_it():
 
 
 def test_an_engine_without_block_recompute_refuses_it():
-    """An engine that recomputes every layer but does not declare ``supports_recompute_num_layers`` would ignore
+    """An engine that recomputes every layer but does not declare ``recompute_num_layers`` in its spec would ignore
     the option: it is refused instead."""
     class EveryLayer(Hopper):
-        supports_recompute_num_layers = False
+        spec = dataclasses.replace(Hopper.spec, recompute_num_layers=False)
 
     c = _cfg_for("exact", recompute="full", recompute_num_layers=1)
     validate(c, engine_cls=Hopper)

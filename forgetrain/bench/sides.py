@@ -212,10 +212,11 @@ def check_sides(rc: RunConfig, against: list) -> None:
 
 def recompute_warnings(rc, against: list, side_recompute: Optional[str] = None) -> list[str]:
     """One ``warning:`` line per side in ``against`` whose engine has no activation recompute
-    (``supports_recompute``) while its config (:func:`side_config`: ``engine.recompute`` or ``side_recompute``)
+    (its spec's ``recompute``, :func:`forgetrain.levers.spec_of`) while its config (:func:`side_config`: ``engine.recompute`` or ``side_recompute``)
     asks for it: that side stores its activations; or that recomputes every layer (no
-    ``supports_recompute_num_layers``) while ``engine.recompute_num_layers`` asks for fewer."""
+    ``recompute_num_layers``) while ``engine.recompute_num_layers`` asks for fewer."""
     from forgetrain import registry
+    from forgetrain.levers import spec_of
 
     rc = side_config(rc, side_recompute)
     if rc.engine.recompute == "none":
@@ -227,10 +228,11 @@ def recompute_warnings(rc, against: list, side_recompute: Optional[str] = None) 
              f"engine.recompute={rc.engine.recompute} applies to the forged engine and the sides that implement it")
     for n in against:
         cls = registry.load_engine_class("references", n)
-        if not getattr(cls, "supports_recompute", False):
+        spec = spec_of(cls)
+        if not spec.recompute:
             out.append(f"warning: bench side '{n}' has no activation recompute; it runs with its activations stored "
                        f"({asked})")
-        elif rnl is not None and not getattr(cls, "supports_recompute_num_layers", False):
+        elif rnl is not None and not spec.recompute_num_layers:
             out.append(f"warning: bench side '{n}' recomputes every layer; engine.recompute_num_layers={rnl} "
                        f"applies to the forged engine and the sides that implement it")
     return out

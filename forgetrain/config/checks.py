@@ -8,15 +8,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from forgetrain.config.schema import COMPILE_TUNINGS, FP8_RECIPES, SEED_MAX, DataConfig, RunConfig
+from forgetrain.config.schema import SEED_MAX, DataConfig, RunConfig
 from forgetrain.errors import ConfigError
-from forgetrain.memory import per_layer_weights_possible
 
 
 def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bool = False) -> RunConfig:
     """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message.
 
-    ``engine_cls``: the engine that will run (default: the scenario's); its ``kernel_switches`` say which
+    ``engine_cls``: the engine that will run (default: the scenario's); its spec's ``kernel_switches`` say which
     ``kernels.*`` switches it honours (:func:`forgetrain.kernels.switches.check`). ``reference``: a reference
     engine runs this config (verify's other side); it ignores ``kernels.*``, so the switches are not checked for
     it (the candidate's run of the same config checks them)."""
@@ -218,70 +217,22 @@ def _check_kernel_values(cfg: RunConfig) -> None:
 
 
 def _check_engine_options(cfg: RunConfig, reference: bool) -> None:
-    """``engine.*``: each value known, and each fast-only lever in fast mode with what it needs (``reference``: a reference runs the config, which ignores the forged engine's layout levers)."""
-    if cfg.engine.mode not in ("exact", "fast"):
-        raise ConfigError(f"engine.mode must be exact or fast, got '{cfg.engine.mode}'")
-    def preset(key: str) -> str:
-        return (f"; drop {key}=true (for exact mode use mode=exact, which turns every fast-only switch off "
-                f"(conf/mode/exact.yaml); a key after it on the command line turns that switch back on)")
+    """``engine.*``: lever by lever in table order, its value one the lever allows, then its rule; then each lever
+    table's own check (``<engine package>/levers.py``; ``reference``: a reference runs the config, which ignores the
+    forged engine's layout levers). The rules hold whichever engine runs: the group is shared by every engine."""
+    from forgetrain import levers, registry
 
-    if cfg.engine.grad_accum_fusion and cfg.engine.mode != "fast":
-        raise ConfigError("engine.grad_accum_fusion=true needs engine.mode=fast (exact mode is the bitwise "
-                          "Megatron mirror: its grads stay bf16 .grad added into main_grad)"
-                          + preset("engine.grad_accum_fusion"))
-    if cfg.engine.onepass_optimizer and (cfg.engine.mode != "fast" or cfg.kernels.adamw != "triton"
-                                         or cfg.parallel.zero_stage != 0):
-        raise ConfigError("engine.onepass_optimizer=true needs engine.mode=fast, kernels.adamw=triton and "
-                          f"parallel.zero_stage=0; got mode={cfg.engine.mode}, adamw={cfg.kernels.adamw}, "
-                          f"zero_stage={cfg.parallel.zero_stage}"
-                          + (preset("engine.onepass_optimizer") if cfg.engine.mode != "fast" else
-                             "; or set engine.onepass_optimizer=false"))
-    if cfg.engine.compile_tuning not in COMPILE_TUNINGS:
-        raise ConfigError(f"engine.compile_tuning must be {'|'.join(COMPILE_TUNINGS)}, got "
-                          f"'{cfg.engine.compile_tuning}'")
-    if cfg.engine.compile_tuning != "none" and cfg.engine.mode != "fast":
-        raise ConfigError(f"engine.compile_tuning={cfg.engine.compile_tuning} needs engine.mode=fast (exact mode "
-                          f"compiles nothing); drop engine.compile_tuning")
-    if cfg.engine.fp8 not in FP8_RECIPES:
-        raise ConfigError(f"engine.fp8 must be {'|'.join(FP8_RECIPES)}, got '{cfg.engine.fp8}'")
-    if cfg.engine.fp8 != "none" and cfg.engine.mode != "fast":
-        raise ConfigError(f"engine.fp8={cfg.engine.fp8} needs engine.mode=fast (exact mode is the bitwise "
-                          "mirror of Megatron-core's GEMMs); drop engine.fp8 or set engine.fp8=none")
-    if cfg.engine.fp8_lm_head and (cfg.engine.fp8 == "none" or cfg.kernels.cross_entropy != "chunked"):
-        raise ConfigError("engine.fp8_lm_head=true needs engine.fp8=tensorwise and kernels.cross_entropy=chunked (the "
-                          f"LM head's FP8 GEMMs run in the chunked cross-entropy); got engine.fp8={cfg.engine.fp8}, "
-                          f"kernels.cross_entropy={cfg.kernels.cross_entropy}")
-    if cfg.engine.free_qkv and cfg.engine.mode != "fast":
-        raise ConfigError("engine.free_qkv=true needs engine.mode=fast (exact mode's attention is Megatron's "
-                          "unfused one)" + preset("engine.free_qkv"))
-    if cfg.engine.compile and cfg.engine.mode != "fast":
-        raise ConfigError("engine.compile=true needs engine.mode=fast (exact mode runs Megatron's ops eagerly, "
-                          "op by op)" + preset("engine.compile"))
-    if cfg.engine.recompute not in ("none", "full"):
-        raise ConfigError(f"engine.recompute must be none|full, got '{cfg.engine.recompute}'")
-    rnl = cfg.engine.recompute_num_layers
-    if rnl is not None and (cfg.engine.recompute != "full" or isinstance(rnl, bool) or not isinstance(rnl, int)
-                            or not 0 <= rnl <= cfg.model.num_layers):
-        raise ConfigError(f"engine.recompute_num_layers must be an integer from 0 to model.num_layers "
-                          f"({cfg.model.num_layers}) with engine.recompute=full (null: every layer); got {rnl!r} "
-                          f"with recompute={cfg.engine.recompute}")
-    off = cfg.engine.optimizer_offload_fraction
-    if isinstance(off, bool) or not isinstance(off, (int, float)) or not 0.0 <= off <= 1.0:
-        raise ConfigError(f"engine.optimizer_offload_fraction must be a number from 0 to 1, got {off!r}")
-    if not reference and off > 0 and (cfg.parallel.zero_stage != 0 or cfg.engine.onepass_optimizer):
-        raise ConfigError("engine.optimizer_offload_fraction > 0 needs parallel.zero_stage=0 and "
-                          f"engine.onepass_optimizer=false; got zero_stage={cfg.parallel.zero_stage}, "
-                          f"onepass_optimizer={cfg.engine.onepass_optimizer}")
-    if cfg.engine.bf16_weights not in ("resident", "per_layer"):
-        raise ConfigError(f"engine.bf16_weights must be resident|per_layer, got '{cfg.engine.bf16_weights}'")
-    if not reference and cfg.engine.bf16_weights == "per_layer" and (cfg.engine.recompute != "full"
-                                                                      or not per_layer_weights_possible(cfg)):
-        raise ConfigError("engine.bf16_weights=per_layer needs engine.recompute=full, train.precision=bf16 and one "
-                          f"GPU without ZeRO; got recompute={cfg.engine.recompute}, precision="
-                          f"{cfg.train.precision}, data_parallel_size={cfg.parallel.data_parallel_size}, "
-                          f"zero_stage={cfg.parallel.zero_stage}")
-    if cfg.engine.ce_chunk_tokens is not None and cfg.engine.ce_chunk_tokens <= 0:
-        raise ConfigError(f"engine.ce_chunk_tokens must be positive, got {cfg.engine.ce_chunk_tokens}")
+    specs = registry.lever_specs()
+    table = levers.merge(specs)
+    for lv in table:
+        msg = levers.value_error(lv, getattr(cfg.engine, lv.name))
+        if not msg and lv.rule is not None:
+            msg = lv.rule(cfg, reference)
+        if msg:
+            raise ConfigError(msg)
+    for spec in specs:
+        if spec.check is not None:
+            spec.check(cfg, reference)
 
 
 def _check_logger(cfg: RunConfig) -> None:
@@ -293,22 +244,25 @@ def _check_logger(cfg: RunConfig) -> None:
 
 
 def _check_engine_implements(cfg: RunConfig, engine_cls, reference: bool) -> None:
-    """What the engine declares it implements (``engine_modes``, ``supports_recompute``, ``supports_recompute_num_layers``, ``supports_optimizer_offload``) covers the settings it is asked to run."""
+    """What the engine's spec declares it implements (:func:`forgetrain.levers.spec_of`: its modes, recompute, a
+    block of recomputed layers, the optimizer offload) covers the settings it is asked to run."""
+    from forgetrain.levers import spec_of
+
+    spec = spec_of(engine_cls)
     off = cfg.engine.optimizer_offload_fraction
-    modes = getattr(engine_cls, "engine_modes", None)  # an engine that declares its modes; None: not checked
+    modes = spec.modes  # an engine that declares its modes; None: not checked
     if not reference and modes is not None and cfg.engine.mode not in modes:
         raise ConfigError(f"engine.mode={cfg.engine.mode} is not implemented by engine "
                           f"{engine_cls.__module__}:{engine_cls.__qualname__} (it "
                           f"runs: {'|'.join(modes)}); "
                           + ("drop mode=fast_base / engine.mode=fast" if cfg.engine.mode == "fast"
                              else f"set engine.mode={modes[0]}"))
-    if not reference and cfg.engine.recompute != "none" and not getattr(engine_cls, "supports_recompute", False):
+    if not reference and cfg.engine.recompute != "none" and not spec.recompute:
         raise ConfigError(f"engine.recompute={cfg.engine.recompute} is not implemented by engine "
                           f"{cfg.scenario.engine}; set engine.recompute=none")
-    if (not reference and cfg.engine.recompute_num_layers is not None
-            and not getattr(engine_cls, "supports_recompute_num_layers", False)):
+    if not reference and cfg.engine.recompute_num_layers is not None and not spec.recompute_num_layers:
         raise ConfigError(f"engine.recompute_num_layers is not implemented by engine {cfg.scenario.engine}; "
                           f"set it to null (every layer)")
-    if not reference and off > 0 and not getattr(engine_cls, "supports_optimizer_offload", False):
+    if not reference and off > 0 and not spec.optimizer_offload:
         raise ConfigError(f"engine.optimizer_offload_fraction is not implemented by engine {cfg.scenario.engine}; "
                           f"set it to 0")

@@ -1,5 +1,7 @@
-"""Structured configs for ForgeTrain (Hydra ConfigStore schemas) and their Hydra plumbing. A leaf: it imports
-no other ForgeTrain module but the errors (``forgetrain.config`` re-exports every name of it).
+"""Structured configs for ForgeTrain (Hydra ConfigStore schemas) and their Hydra plumbing. Near a leaf: at import it
+reads the declarations the ``engine.*`` and ``kernels.*`` groups are built from (the engines' lever tables through
+:func:`forgetrain.registry.lever_specs`, :mod:`forgetrain.levers`; the kernel switches), and the ``mode`` presets
+are derived from them (:func:`mode_presets`); nothing else (``forgetrain.config`` re-exports every name of it).
 
 Every component owns its dataclass; ``forgetrain.config.checks.validate`` checks the composed config once, before
 any work starts, and raises :class:`ConfigError` with a message a person can act on (lingua style).
@@ -153,64 +155,25 @@ def _kernels_config():
 KernelsConfig = _kernels_config()
 
 
-@dataclass
-class EngineOptions:
-    """How a forged GPU engine runs. ``exact`` mirrors Megatron op by op (bitwise tier); ``fast`` is the optimised
-    path (SDPA attention, batch-first layout, torch.compile), judged at the loss-curve tier."""
+def engine_options_class():
+    """``EngineOptions``: one field per lever of the forged engines' lever tables (``<engine package>/levers.py``,
+    read by :func:`forgetrain.registry.lever_specs`; ``engine.mode`` is the harness's, :data:`forgetrain.levers.MODE`),
+    with the lever's type and default. Built from those tables, so a new lever needs no edit here. Raises ValueError
+    when two tables declare one lever name differently."""
+    from forgetrain import levers, registry
 
-    mode: str = "exact"  # exact | fast
-    compile: bool = False  # torch.compile each transformer block (fast mode)
-    # fast mode: how inductor picks the launch parameters of the kernels it generates, for every torch.compile the
-    # engine makes (the blocks, the recomputed layers, the chunked cross-entropy): none (its heuristics) |
-    # coordinate_descent (a coordinate-descent search of each kernel's block sizes and warps at the first step:
-    # inductor_options). Tolerance tier: another tiling of a reduction sums in another order (optimisations.yaml)
-    compile_tuning: str = "none"
-    attention_backend: str = "cudnn"  # fast mode SDPA preference on CUDA: cudnn | default
-    ce_chunk_tokens: int = 4096  # tokens per LM-head/cross-entropy chunk (kernels.cross_entropy=chunked|triton)
-    # fast mode: weight-gradient GEMMs write/accumulate straight into the fp32 main_grad (Megatron's gradient
-    # accumulation fusion); no bf16 .grad and no separate add per micro-batch. Tolerance tier (optimisations.yaml)
-    grad_accum_fusion: bool = False
-    # fast mode: V is copied out of the fused QKV GEMM output, so the tensors a layer saves for its backward no longer
-    # keep that whole [tokens, (nq + 2 nkv) d] buffer alive through a view of V (q and k are RoPE's own outputs):
-    # (nq + nkv) d bf16 values less per token and stored layer, 2.5 GiB at Llama-3-8B's 32 layers x 8192 tokens,
-    # for one [tokens, nkv d] copy per layer. Tolerance tier (another V stride may pick another attention kernel)
-    free_qkv: bool = False
-    # fast mode: the decoder layers' linear layers (QKV, attention output, fc1, fc2) run their GEMMs with FP8
-    # operands: none | tensorwise (dynamic per-tensor scaling: e4m3 activations and weights, e5m2 gradients; the
-    # embedding, LM head, attention and norms stay bf16). Loss-curve tier (optimisations.yaml: fp8_linear)
-    fp8: str = "none"
-    # fast mode, with engine.fp8 != none and kernels.cross_entropy=chunked: the LM head's three GEMMs (logits, d(h),
-    # d(W)) per cross-entropy chunk run with FP8 operands too, by engine.fp8's recipe; the cross-entropy stays fp32.
-    # Loss-curve tier (optimisations.yaml: fp8_lm_head)
-    fp8_lm_head: bool = False
-    # fast mode, kernels.adamw=triton, no ZeRO: the optimizer step as one pass: the grad norm stays on the device,
-    # clipping is folded into the Triton AdamW kernel (no clip pass, no host sync before it) and the kernel writes
-    # the bf16 model weights itself (no separate fp32 -> bf16 copy). Tolerance tier (optimisations.yaml)
-    onepass_optimizer: bool = False
-    # Activation recompute of the decoder layers: none | full (Megatron's recompute_granularity=full,
-    # recompute_method=uniform, one layer per checkpoint). Bitwise: it repeats the same ops (optimisations.yaml)
-    recompute: str = "none"
-    # Under recompute=full, how many decoder layers are recomputed: the first N (Megatron's recompute_method=block,
-    # recompute_num_layers=N); the others store their activations. null: every layer (the uniform method above)
-    recompute_num_layers: int | None = None
-    # Fraction (0..1) of the AdamW moments kept in host memory and streamed through the GPU for the update, largest
-    # tensors first (the Hopper engine, no ZeRO, not with onepass_optimizer). Bitwise: the same elementwise update
-    # in chunks (optimisations.yaml). It frees 8 bytes per offloaded parameter on the device, for stored activations
-    optimizer_offload_fraction: float = 0.0
-    # Where the bf16 working weights of the decoder layers live under train.precision=bf16: resident (a bf16 copy
-    # beside the fp32 main weights, Megatron's recipe) | per_layer (no copy between steps: each layer's is cast
-    # from the fp32 main weights when its forward or its recompute starts; needs recompute=full). Bitwise
-    bf16_weights: str = "resident"
+    return levers.options_class(levers.merge(registry.lever_specs()), module=__name__)
 
 
-COMPILE_TUNINGS = {"none": {}, "coordinate_descent": {"coordinate_descent_tuning": True}}
-FP8_RECIPES = ("none", "tensorwise")  # engine.fp8 (scenarios/llama1b_h200/fp8.py implements them)
+EngineOptions = engine_options_class()
 
 
 def inductor_options(engine_opts) -> dict | None:
     """The ``options`` of every ``torch.compile`` a forged engine makes, from ``engine.compile_tuning``
     (:data:`COMPILE_TUNINGS`: inductor config keys, ``torch._inductor.config``); None for inductor's defaults.
     Raises KeyError for a value :func:`validate` would have refused."""
+    from forgetrain.levers import COMPILE_TUNINGS
+
     return COMPILE_TUNINGS[getattr(engine_opts, "compile_tuning", "none")] or None
 
 
@@ -235,7 +198,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    engine: EngineOptions = field(default_factory=EngineOptions)
+    engine: EngineOptions = field(default_factory=lambda: EngineOptions())  # the current class (engine_options_class)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
 
@@ -256,6 +219,23 @@ def register_configs() -> None:
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="hardware", name="hardware_schema", node=HardwareConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    for name, node in mode_presets().items():  # mode=exact | mode=fast_base, after the scenario (conf/config.yaml)
+        cs.store(group="mode", name=name, node=node, package="_global_")
+
+
+def mode_presets() -> dict[str, dict]:
+    """The ``mode`` config group, ``{preset: {"engine": {...}, "kernels": {...}}}``, derived from the lever tables
+    and the kernel switches: ``mode=exact`` (the op-by-op Megatron mirror, bitwise tier) sets ``engine.mode=exact``
+    and each lever's ``exact`` value; ``mode=fast_base`` (fast mode with every lever off, the base each lever is
+    judged on alone) sets ``engine.mode=fast`` and each lever's ``fast_base`` value. A lever whose value is
+    :data:`forgetrain.levers.KEEP` (the memory layout, bitwise by construction) stays as the scenario sets it; every
+    kernel switch goes back to its plain default under both. Command-line keys after ``mode=`` override it."""
+    from forgetrain import levers, registry
+    from forgetrain.kernels import switches
+
+    table = levers.merge(registry.lever_specs())
+    kernels = {s.name: s.default for s in switches.SWITCHES}
+    return {name: {"engine": levers.preset(table, name), "kernels": dict(kernels)} for name in levers.PRESETS}
 
 
 def to_run_config(cfg: Any) -> RunConfig:

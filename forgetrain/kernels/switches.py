@@ -11,7 +11,8 @@ Everything else reads this table:
 * the switch-matrix tests (tests/test_fast_tiers.py, tests/test_hopper_cpu.py) iterate :func:`matrix`;
 * ``python -m forgetrain.kernels switches`` prints it (:func:`table`), and docs/kernels.md points there.
 
-An engine declares the switches it honours with a class attribute ``kernel_switches``: a dict whose keys are an
+An engine declares the switches it honours in its spec (``EngineSpec.kernel_switches``, forgetrain/levers.py; a
+reference's class attribute ``kernel_switches``): a dict whose keys are an
 ``engine.mode`` (``"fast"``), or a mode and a device type (``"fast/cuda"``), and whose values map a switch to the
 non-default values honoured there. A switch set to a non-default value that the engine does not honour in the
 configured mode on the configured device is refused (:func:`check`), and so is a forged value whose kernel has no
@@ -133,8 +134,10 @@ def set_values(kernels_cfg) -> dict[str, str]:
 
 def honoured(engine_cls, mode: str, device: str) -> dict[str, tuple]:
     """``{switch: values}`` that ``engine_cls`` honours in ``engine.mode=mode`` on device type ``device``, read from
-    its ``kernel_switches`` attribute (absent: none)."""
-    decl = getattr(engine_cls, "kernel_switches", None) or {}
+    its spec's ``kernel_switches`` (:func:`forgetrain.levers.spec_of`; none declared: none)."""
+    from forgetrain.levers import spec_of
+
+    decl = spec_of(engine_cls).kernel_switches or {}
     out: dict[str, set] = {}
     for key in (mode, f"{mode}/{device}"):
         for sw, vals in (decl.get(key) or {}).items():

@@ -8,7 +8,8 @@ accumulation fusion (``wgrad.py``); it inherits from no other engine.
 Precision (``train.precision=bf16``): bf16 model weights, fp32 main weights, fp32 gradient accumulation buffers
 (``main_grad``), fp32 AdamW state -- Megatron's mixed-precision recipe. ``fp32`` keeps everything in fp32.
 
-Two modes, chosen by ``engine.mode`` (every optimisation and its declared tier is listed in ``optimisations.yaml``):
+Two modes, chosen by ``engine.mode`` (every lever and its declared tier: ``levers.py``; the evidence:
+``optimisations.yaml``):
 
 * ``exact`` -- the op-by-op Megatron mirror (``scenarios/_llama/model.py``, whose alignment notes apply),
   torch-AdamW arithmetic in its foreach form on CUDA (single-tensor on CPU), Megatron's grad-norm and clipping
@@ -49,6 +50,7 @@ from forgetrain.schedule import lr_for_step
 from scenarios._llama import layout, optim, recompute
 from scenarios._llama.model import Llama
 from scenarios._llama.parallel import GradBuffer, ParallelState, megatron_registration_order
+from scenarios.llama1b_h200.levers import SPEC
 from scenarios.llama1b_h200.wgrad import WGradAccum, probe_path
 
 
@@ -62,19 +64,9 @@ class Engine:
     ``parallel.bucket_size`` (its DP buffer is reduced once, after the last micro-batch).
     """
 
-    # Kernel switches honoured (forgetrain/kernels/switches.py): engine.mode[/device] -> non-default values.
-    # Exact mode keeps Megatron's ops (only the optimizer step is switchable); torch's fused AdamW runs on CUDA only.
-    kernel_switches = {
-        "fast": {"rmsnorm": ("triton",), "swiglu": ("triton",), "rope": ("triton",),
-                 "cross_entropy": ("chunked", "triton"), "ce_chunk": ("triton",), "adamw": ("triton",)},
-        "fast/cuda": {"adamw": ("fused",)},
-        "exact": {"adamw": ("triton",)},
-        "exact/cuda": {"adamw": ("fused",)},
-    }
-    engine_modes = ("exact", "fast")  # engine.mode values it runs (config.validate refuses others)
-    supports_recompute = True  # engine.recompute=full and engine.bf16_weights=per_layer (scenarios/_llama/recompute)
-    supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N layers only
-    supports_optimizer_offload = True  # engine.optimizer_offload_fraction (scenarios/_llama/optim.HostMoments)
+    # what it implements: modes, recompute, optimizer offload, the kernel switches it honours, and its engine.*
+    # levers with their tiers (levers.py, the one table; config.validate reads it)
+    spec = SPEC
 
     def __init__(self, cfg, device: torch.device | str = "cuda"):
         self.cfg, self.device = cfg, torch.device(device)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from forgetrain.engine import StepResult
+from forgetrain.levers import EngineSpec
 from forgetrain.schedule import lr_for_step
 from scenarios._llama import layout, optim
 from scenarios._llama.model import Llama
@@ -63,7 +64,7 @@ def _is_dtensor(t) -> bool:
 class Engine:
     """Forged engine. ``Engine(cfg: RunConfig, device)``; see forgetrain.engine.TrainEngine for the protocol."""
 
-    engine_modes = ("exact",)  # engine.mode values it runs (config.validate refuses others): one fp32 path
+    spec = EngineSpec(modes=("exact",))  # one fp32 path, no lever of its own (config.validate refuses the rest)
 
     def __init__(self, cfg, device: torch.device | str = "cpu"):
         self.cfg = cfg
