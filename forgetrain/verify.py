@@ -296,13 +296,45 @@ def golden_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path, seed: int, sha: 
     return state
 
 
-def _write_init_hash(seed_dir: Path, state: dict, recorded: str) -> str:
-    """Write ``seed_dir/init.json``: the sha256 of the reference init a golden seed starts from, how it was
-    recorded, and the versions that made it. Returns the hash."""
+def first_step_problem(cfg: RunConfig, vcfg: VerifyConfig, seed: int, state: dict, trace: Path,
+                       tol: dict) -> tuple[str | None, str]:
+    """Does the reference init ``state`` (HF layout, rebuilt from ``seed`` on this device) start the golden trace
+    ``trace``? The reference runs its step 1 from it on the seed's first batch (the golden's run config, one step)
+    and its loss (nats) and grad norm are compared with the trace's step 1, a function of the init
+    and that batch alone (the update comes after the norm is taken): ``tol["loss_abs"]`` nats and
+    ``tol["grad_norm_rel"]`` of the norm (``conf/tier/loss_curve.yaml``, ``pin:``, where the rationale is).
+    Returns (a problem or None, how the hash was recorded). Raises ConfigError when ``tol`` lacks either key."""
+    import tempfile
+
+    from forgetrain.trace import read_trace
+    from forgetrain.train import train, versions
+
+    if not {"loss_abs", "grad_norm_rel"} <= set(tol):
+        raise ConfigError("conf/tier/loss_curve.yaml pin: needs loss_abs and grad_norm_rel")
+    want = read_trace(trace)[1][0]
+    with tempfile.TemporaryDirectory(prefix="ft_pin_") as tmp:  # a 1-step run: the batch order is a function of
+        # the step alone (forgetrain/data/loader.py), and _run_cfg keeps the full run's LR schedule
+        run = train(_run_cfg(cfg, Path(tmp), steps=1, digests=False, seed=seed, lr_decay_steps=vcfg.curve_steps),
+                    kind="references", engine_name=vcfg.reference, init_hf=state, progress=False)
+        got = read_trace(Path(run) / "trace")[1][0]
+    _release_device_memory()
+    dl = abs(float(got["loss"]) - float(want["loss"]))
+    dg = abs(float(got["grad_norm"]) - float(want["grad_norm"])) / max(abs(float(want["grad_norm"])), 1e-12)
+    seen = (f"step 1 loss {got['loss']:.6f} vs the trace's {want['loss']:.6f}, grad norm {got['grad_norm']:.6f} vs "
+            f"{want['grad_norm']:.6f}")
+    if dl > tol["loss_abs"] or dg > tol["grad_norm_rel"]:
+        return (f"does not reproduce the trace's first step ({seen}; tolerance {tol['loss_abs']:g} nats, "
+                f"{tol['grad_norm_rel']:.2%} of the norm)"), ""
+    return None, (f"regenerated from the seed on {versions().get('gpu')}, another GPU than the trace's, where the "
+                  f"reference's first step from it reproduced the trace's ({seen})")
+
+
+def _write_init_hash(seed_dir: Path, sha: str, n: int, recorded: str) -> str:
+    """Write ``seed_dir/init.json``: the sha256 ``sha`` of the reference init a golden seed starts from (``n``
+    parameters), how it was recorded, and the versions that made it. Returns the hash."""
     from forgetrain.trace import atomic_write_json
     from forgetrain.train import versions
 
-    sha, n = init_sha256(state), sum(int(v.numel()) for v in state.values())
     atomic_write_json(seed_dir / "init.json", {"sha256": sha, "n_params": n, "recorded": recorded,
                                                "versions": versions()})
     return sha
@@ -311,36 +343,54 @@ def _write_init_hash(seed_dir: Path, state: dict, recorded: str) -> str:
 def pin_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path) -> None:
     """``verify.pin_init=true``: for each seed in ``verify.seeds`` of the loss-curve golden ``gdir``, regenerate the
     reference init from the seed and record its sha256 (``init.json``), so the golden allows paired runs. Refused
-    (ConfigError) when a seed's trace is missing, or the trace was made with another torch / reference version or
-    on another GPU than this process runs: the hash would not prove the trace's init. With ``verify.init_cache``
-    the inits are kept there for the paired runs that follow."""
+    (ConfigError) when a seed's trace is missing, or the trace was made with another torch / reference / CUDA
+    version or on CPU where this process runs on a GPU (or the reverse): the hash would not prove the trace's init.
+    On another GPU model than the trace's (an H100 for an H200 golden), each rebuilt init must first reproduce the
+    trace's first step (:func:`first_step_problem`): the reference's step 1 from it, on that seed's first batch,
+    must give the trace's loss and grad norm within the tolerances of ``conf/tier/loss_curve.yaml`` (``pin:``),
+    else ConfigError and nothing is pinned. With ``verify.init_cache`` the inits are kept there for the paired runs
+    that follow."""
     import json
 
     from forgetrain.train import versions
 
     traces = _curve_golden_traces(gdir, vcfg)
     now = versions()
+    other_gpu = {}
     for s, t in zip(vcfg.seeds, traces):  # every seed first: a refusal pins none
         made = json.loads((t / "meta.json").read_text()).get("versions", {})
-        keys = ("torch", "megatron-core", "gpu", "cuda") if made.get("gpu") else ("torch", "megatron-core", "cpu")
+        keys = ("torch", "megatron-core", "cuda") if made.get("gpu") else ("torch", "megatron-core", "cpu")
         diff = [f"{k} {made.get(k)} -> {now.get(k)}" for k in keys if made.get(k) != now.get(k)]
+        if made.get("gpu") and not now.get("gpu"):
+            diff.append(f"gpu {made.get('gpu')} -> none")
         if diff:
             raise ConfigError(f"the golden {t} was made with other versions than this process runs "
                               f"({'; '.join(diff)}); its init cannot be pinned here: remake it with "
                               f"verify.make_golden=true \"verify.seeds=[{s}]\"")
+        if made.get("gpu") and made.get("gpu") != now.get("gpu"):
+            other_gpu[s] = made["gpu"]
+    pin_tol = tier_config("loss_curve", vcfg.reference).get("pin") or {}
+    pins = []  # (seed, trace, sha256, n_params, how): written once every seed has passed
     for s, t in zip(vcfg.seeds, traces):
         state = reference_init(cfg, vcfg, s)
-        if _is_rank0():
-            sha = _write_init_hash(t.parent, state, "regenerated from the seed after the trace was made, with the "
-                                                    "trace's versions and device")
-            print(f"init of seed {s}: sha256 {sha[:16]}... recorded in {t.parent / 'init.json'}", file=sys.stderr)
-            if vcfg.init_cache:  # the paired runs that follow read it from there
-                from safetensors.torch import save
+        how = "regenerated from the seed after the trace was made, with the trace's versions and device"
+        if s in other_gpu:
+            problem, how = first_step_problem(cfg, vcfg, s, state, t, pin_tol)
+            if problem:
+                raise ConfigError(f"seed {s}'s init, rebuilt on {now.get('gpu')} for the golden made on "
+                                  f"{other_gpu[s]}, {problem}: no init is pinned here; pin on {other_gpu[s]}")
+        pins.append((s, t, init_sha256(state), sum(int(v.numel()) for v in state.values()), how))
+        if vcfg.init_cache and _is_rank0():  # the paired runs that follow read it from there (hash-checked)
+            from safetensors.torch import save
 
-                from forgetrain.trace import atomic_write_bytes
+            from forgetrain.trace import atomic_write_bytes
 
-                atomic_write_bytes(Path(vcfg.init_cache) / gdir.name / f"seed_{s}.safetensors", save(state))
+            atomic_write_bytes(Path(vcfg.init_cache) / gdir.name / f"seed_{s}.safetensors", save(state))
         del state
+    if _is_rank0():
+        for s, t, sha, n, how in pins:
+            _write_init_hash(t.parent, sha, n, how)
+            print(f"init of seed {s}: sha256 {sha[:16]}... recorded in {t.parent / 'init.json'}", file=sys.stderr)
 
 
 def _tier(tier_name: str):
@@ -522,8 +572,10 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
             _store_golden(ref, gdir / f"seed_{s}", with_init=False)
             from safetensors.torch import load_file
 
-            _write_init_hash(gdir / f"seed_{s}", load_file(str(ref / "init.safetensors")),
+            state = load_file(str(ref / "init.safetensors"))
+            _write_init_hash(gdir / f"seed_{s}", init_sha256(state), sum(int(v.numel()) for v in state.values()),
                              "exported by the reference run that made the trace")
+            del state
             if not want:  # exported for the hash alone
                 (ref / "init.safetensors").unlink()
         refs.append(ref / "trace")

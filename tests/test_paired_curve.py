@@ -165,3 +165,43 @@ def test_pin_init_refuses_before_pinning_any_seed(golden_root, tmp_path):
     with pytest.raises(ConfigError, match="torch 0.0.0"):
         V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "pin")
     assert not list(gdir.rglob("init.json"))
+
+
+def _as_if_made_on(gdir, gpu: str, now_gpu: str, monkeypatch):
+    """The golden's traces claim ``gpu``; this process claims ``now_gpu`` (the software versions kept equal)."""
+    import json
+
+    from forgetrain import train as T
+
+    real = T.versions()
+    for s in SEEDS:
+        (gdir / f"seed_{s}" / "init.json").unlink()
+        meta = gdir / f"seed_{s}" / "trace" / "meta.json"
+        m = json.loads(meta.read_text())
+        m["versions"] = {**real, "gpu": gpu, "cuda": "13.0"}
+        m["versions"].pop("cpu", None)
+        meta.write_text(json.dumps(m))
+    monkeypatch.setattr(T, "versions", lambda: {**real, "gpu": now_gpu, "cuda": "13.0"})
+
+
+def test_pin_on_another_gpu_needs_the_traces_first_step_reproduced(golden_root, tmp_path, monkeypatch):
+    """Pinning on another GPU model than the golden's: each rebuilt init must reproduce its trace's step 1 (loss and
+    grad norm within conf/tier/loss_curve.yaml's pin: tolerances). The right inits pin; an init that is another
+    seed's (as a device whose RNG drew differently would rebuild) is refused in one line, and nothing is pinned."""
+    import json
+
+    cfg = _curve_cfg()
+    V.verify(cfg, _vcfg(make_golden=True), "loss_curve", tmp_path / "g")
+    gdir = V.curve_golden_dir(cfg, _vcfg())
+    _as_if_made_on(gdir, "NVIDIA H200", "NVIDIA H100 80GB HBM3", monkeypatch)
+    real_init = V.reference_init
+    monkeypatch.setattr(V, "reference_init", lambda c, v, s: real_init(c, v, 1235 if s == 1236 else s))
+    with pytest.raises(ConfigError) as e:
+        V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "bad")
+    msg = str(e.value)
+    assert "seed 1236" in msg and "does not reproduce the trace's first step" in msg and "\n" not in msg
+    assert not list(gdir.rglob("init.json"))  # a refusal pins none, not even the seeds checked before it
+    monkeypatch.setattr(V, "reference_init", real_init)
+    assert V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "pin") == []
+    info = json.loads((gdir / "seed_1236" / "init.json").read_text())
+    assert "reproduced the trace's" in info["recorded"]
