@@ -19,10 +19,12 @@ its class (:func:`reason`), defined once here:
    that only the harness's own processes write (:func:`sandbox_env`), so no ``__pycache__`` anyone else wrote
    runs; each candidate process gets a private view of it (:func:`candidate_cache`), compared file by file after
    the process and what it started have ended (:func:`cache_changes`): a change names the file, and the harness's
-   cache is emptied, so no bytecode a candidate wrote is ever loaded by another process.
+   cache is emptied, so no bytecode a candidate wrote is ever loaded by another process. A process the agent
+   leaves behind is killed after its round and rejects it (:func:`forgetrain.forge.procs.run_agent`).
 4. *an edit outside the hashed gate set* -- the hashed set is everything of the repository that the judge or the
    candidate's process imports or reads (:func:`gate_paths`: all of ``forgetrain/``, ``references/``,
-   ``conf/``, ``tests/``, plus the interpreter's site hooks); a change aborts the run and names the file.
+   ``conf/``, ``tests/``, plus the interpreter's site hooks) and every importable file elsewhere on the forge
+   processes' import path (:func:`importable_files`); a change aborts the run and names the file.
 5. *replaying the reference* -- a reference run recorded in advance, written out by the candidate's process.
    Closed by the gate's secret values (:mod:`.secret`), the judge's rechecks of every trace (:mod:`.recheck`) and
    the run-time guard's snapshot of every module.
