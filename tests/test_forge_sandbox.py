@@ -212,8 +212,8 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux's (docs/forge.md)")
 def test_a_process_the_agent_leaves_behind_is_killed_and_rejects_the_round(tmp_path):
-    """The agent starts a relay in a session of its own and double-forks it (out of its process group and
-    session): it is re-parented to the forge, found after the round, killed, and the round is rejected naming
+    """The agent starts a relay in a session of its own and double-forks it (out of its process group, an
+    orphan): it is re-parented to the forge, found after the round, killed, and the round is rejected naming
     class 3 before any gate runs; the honest round after it seals."""
     pidfile, relay = tmp_path / "relay.pid", tmp_path / "relay"
     agent = agent_for(tmp_path, {1: ["escape_leftover_relay"], 2: ["engine_comment"]})

@@ -265,7 +265,7 @@ def run_agent(agent: AgentConfig, ws: Path, brief: Path, round_k: int, rdir: Pat
     """Run the agent command in the workspace; stdout/stderr go to ``rdir``. Returns rc, timeout flag, seconds and
     ``agent_leftovers``: the processes the agent started that outlived its round (``pid N: command line``), killed.
     This process is made the subreaper of its descendants (:func:`become_subreaper`) before the agent starts, so
-    that one which left the agent's process group or session (``setsid``, a double fork) is re-parented here and
+    that one which left the agent's process group (``setsid``, a double fork) is re-parented here and
     found (:func:`kill_leftovers`; on Linux only). Its Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``):
     bytecode in the workspace rejects a round."""
     cmd = format_agent_command(agent.command, brief, ws, round_k)
