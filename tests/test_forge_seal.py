@@ -308,7 +308,7 @@ def test_the_isolation_launcher_refuses_bad_input_with_one_line(argv):
 @pytest.mark.parametrize("override,msg", [("forge.gate_window=1.5", "forge.gate_window must lie in (0, 1]"),
                                           ("forge.verify_steps_max=1", "forge.verify_steps_max=1 is below")])
 def test_cli_refuses_bad_secret_ranges_with_one_line(tmp_path, override, msg):
-    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=true", override,
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=echo", override,
                         f"forge.out_dir={tmp_path / 'o'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f"error: {msg}"), p.stderr[-1500:]
