@@ -270,7 +270,8 @@ def test_importable_files_are_every_module_python_could_import_from_the_path(tmp
     for rel in ("sitecustomize.py", "json.py", "old.pyc", "fast.abi3.so", "hook.pth", "pkg/__init__.py",
                 "pkg/sub/mod.py", "nsdir/shadow.py", "out_run/workspace/engine/engine.py", "venv/lib/site.py",
                 "venv/pyvenv.cfg", "not-a-package/x.py", ".hidden/x.py", f"pkg/__pycache__/mod.{cache_tag}.pyc",
-                "pkg/data.json", "2024-01-01_12-00/x.py", "skipped/x.py"):
+                "pkg/data.json", "2024-01-01_12-00/x.py", "skipped/x.py", "outputs/forge/x/full/workspace/engine.py",
+                "outputs/forge/x/full/workspace/forge_state.json"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("")
     got = {str(p.relative_to(root)) for p in sandbox.importable_files([root], skip=[root / "out_run", root / "skipped"])}

@@ -131,15 +131,18 @@ def importable_files(roots: list[Path], skip: list[Path] = ()) -> list[Path]:
     """Every file Python could import from ``roots`` (directories on the import path): the importable files
     (:func:`_importable_name`: ``*.py``, bytecode, native modules, ``*.pth``; a ``sitecustomize.py``, a module
     shadowing a library's) directly in a root and in every directory reachable from it through directories named
-    by identifiers (packages and namespace packages). ``skip`` (dirs hashed whole, the forge run's own dir) and
-    virtual environments (``pyvenv.cfg``: their packages are stat-signed, class 8) are not walked."""
+    by identifiers (packages and namespace packages). ``skip`` (dirs hashed whole, the forge run's own dir),
+    virtual environments (``pyvenv.cfg``: their packages are stat-signed, class 8) and, below the top level, other
+    forge runs' workspaces (``forge_state.json``: their engines are loaded from their files, never imported by a
+    name on the path, and a concurrent run edits them) are not walked."""
     skips = [os.path.realpath(x) for x in skip]
     out: list[Path] = []
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root):
+            marks = ("pyvenv.cfg",) if dirpath == str(root) else ("pyvenv.cfg", "forge_state.json")
             dirnames[:] = sorted(d for d in dirnames if d.isidentifier() and not any(
                 _inside(os.path.realpath(os.path.join(dirpath, d)), x) for x in skips)
-                and not os.path.exists(os.path.join(dirpath, d, "pyvenv.cfg")))
+                and not any(os.path.exists(os.path.join(dirpath, d, m)) for m in marks))
             out += [Path(dirpath) / f for f in sorted(filenames) if _importable_name(f)]
     return out
 
