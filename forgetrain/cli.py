@@ -195,6 +195,8 @@ def check_job(config_name: str, overrides: list[str]) -> str | None:
 
     from forgetrain.config import check_model_choice, check_scenario_choice, to_run_config, validate
 
+    if config_name == "forge":  # a value whose type composing loses (agent.command=true is a boolean)
+        importlib.import_module("forgetrain.forge").check_overrides(overrides)
     cfg = compose_config(config_name, overrides, hydra_node=True)
     choices = OmegaConf.select(cfg, "hydra.runtime.choices")
     with open_dict(cfg):

@@ -323,6 +323,41 @@ def test_existing_run_needs_resume_or_overwrite_and_options_are_checked(tmp_path
         forge(micro_rc(), options(tmp_path / "c", target_tier="fastest"), agent)
     with pytest.raises(ConfigError, match="forge.mode"):
         forge(micro_rc(), options(tmp_path / "d", mode="lazy"), agent)
+    with pytest.raises(ConfigError, match="agent.command must be a shell command"):
+        forge(micro_rc(), options(tmp_path / "e"), AgentConfig(command=True))
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["agent.command=true"], "agent.command must be a shell command (a string), got bool True"),
+    (["agent.command=echo", "forge.install=/proc/x"], "forge.install=/proc/x cannot be created"),
+    (["agent.command=echo", "forge.timing_steps=-3"], "forge.timing_steps must be a positive integer"),
+    (["agent.command=echo", "forge.curve_steps=0", "forge.target_tier=loss_curve"],
+     "forge.curve_steps must be a positive integer")])
+def test_cli_refuses_bad_options_at_start_with_one_line(tmp_path, overrides, msg):
+    """Options that a round or the seal would only trip over later are one ``error:`` line at start, exit 2, no
+    traceback, nothing written."""
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", f"scenario={SCENARIO}", *overrides,
+                        f"forge.out_dir={tmp_path / 'o'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=hang_s())
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: {msg}"), p.stderr[-1500:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text,what", [("{ not json", "cannot be read (JSONDecodeError"),
+                                       ("[1, 2]", "not a JSON object"),
+                                       ('{"round": "x", "status": "running", "mode": "full", "end_commit": "a"}',
+                                        "its 'round' is not int")])
+def test_resume_of_a_corrupt_state_is_one_error_naming_the_file(tmp_path, text, what):
+    agent = agent_for(tmp_path, {})
+    forge(micro_rc(), options(tmp_path, max_rounds=1), agent, ladder_fn=StubLadder(), gate_paths=fake_gates(tmp_path))
+    state = tmp_path / "out" / "workspace" / "forge_state.json"
+    state.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        forge(micro_rc(), options(tmp_path, max_rounds=2, resume=True), agent, ladder_fn=StubLadder(),
+              gate_paths=fake_gates(tmp_path))
+    assert str(e.value).startswith(str(state)) and what in str(e.value) and "\n" not in str(e.value), e.value
 
 
 def test_cli_one_line_error_without_agent_command(tmp_path):
@@ -452,3 +487,58 @@ def test_agent_commits_are_undone_and_still_judged(tmp_path):
     assert "note" in log[0] and log[0]["guard"] == "ok" and ladder.calls == 1
     assert wsmod.git(ws, "symbolic-ref", "HEAD") == "refs/heads/main"
     assert "agent commit" not in wsmod.git(ws, "log", "--format=%s")
+
+
+_FORGE_STANDIN = r'''
+import os, sys, time
+from forgetrain.forge import procs, startup
+out, pids = sys.argv[1:3]
+lock = startup.lock_out_dir(out)
+LADDER = """
+import json, os, signal, subprocess, sys, time
+from forgetrain.forge import procs
+signal.signal(signal.SIGTERM, procs.kill_active)
+procs.become_subreaper()
+procs.die_with_parent(int(sys.argv[1]))
+grand = sys.argv[2] + ".grand"
+side = procs.start_group([sys.executable, "-c", "import subprocess, sys, time; p = subprocess.Popen([sys.executable, "
+                          "'-c', 'import time; time.sleep(600)'], start_new_session=True); "
+                          "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(600)", grand], cwd=".",
+                         env=os.environ)
+while not os.path.exists(grand) or not open(grand).read():
+    time.sleep(0.05)
+open(sys.argv[2], "w").write(json.dumps([os.getpid(), side.pid, int(open(grand).read())]))
+time.sleep(600)
+"""
+procs.start_group([sys.executable, "-c", LADDER, str(os.getpid()), pids], cwd=out, env=os.environ, pass_fds=(lock,))
+time.sleep(600)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_forge_takes_its_ladder_and_the_sides_with_it(tmp_path):
+    """``kill -9`` of the forge mid-ladder: the ladder gets SIGTERM (``die_with_parent``) and ends its sides, and
+    what they left out of their groups, before it exits; the run dir stays locked until then, so a resume cannot
+    race with them."""
+    from forgetrain.forge import startup
+
+    out, pids = tmp_path / "out", tmp_path / "pids.json"
+    out.mkdir()
+    forge_p = subprocess.Popen([sys.executable, "-c", _FORGE_STANDIN, str(out), str(pids)],
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    deadline = time.monotonic() + hang_s()
+    while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ladder, side, grand = json.loads(pids.read_text())
+    with pytest.raises(ConfigError, match="in use by another process"):
+        startup.lock_out_dir(out, wait_s=0.5)
+    forge_p.kill()
+    forge_p.wait()
+    fd = startup.lock_out_dir(out, wait_s=30)  # free once the ladder and what it ended are gone
+    os.close(fd)
+    for pid in (ladder, side, grand):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[-1].split()[0] in "ZX", pid
+        except FileNotFoundError:
+            pass

@@ -202,6 +202,95 @@ def test_bytecode_planted_in_the_forge_cache_is_rejected(tmp_path):
     assert not (tmp_path / "out" / "pycache" / "x.pyc").exists() and state["status"] == "sealed"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux's (docs/forge.md)")
+def test_a_process_the_agent_leaves_behind_is_killed_and_rejects_the_round(tmp_path):
+    """The agent starts a relay in a session of its own and double-forks it (out of its process group, an
+    orphan): it is re-parented to the forge, found after the round, killed, and the round is rejected naming
+    class 3 before any gate runs; the honest round after it seals."""
+    pidfile, relay = tmp_path / "relay.pid", tmp_path / "relay"
+    agent = agent_for(tmp_path, {1: ["escape_leftover_relay"], 2: ["engine_comment"]})
+    plan = Path(agent.command.split()[-1])
+    plan.write_text(json.dumps(dict(json.loads(plan.read_text()), vars={"pidfile": str(pidfile), "relay": str(relay)})))
+    ladder = StubLadder()
+    state = forge(micro_rc(), options(tmp_path), agent, ladder_fn=ladder, gate_paths=fake_gates(tmp_path))
+    log = log_of(tmp_path / "out")
+    pid = int(pidfile.read_text())
+    assert not _pid_alive(pid)  # killed when the round ended, not left to act during the ladder
+    assert log[0]["guard"] == "rejected: unscanned code" and log[0]["ladder"] == "not run (guard)", log[0]
+    assert _classes(log[0]) == {3} and any(f"pid {pid}:" in p and "outlived its round" in p
+                                           for p in log[0]["guard_problems"]), log[0]["guard_problems"]
+    assert "escape class 3" in (tmp_path / "out" / "rounds" / "2" / "BRIEF.md").read_text()
+    assert ladder.calls == 1 and state["status"] == "sealed" and log[1]["guard"] == "ok"
+
+
+def _import_root(tmp: Path) -> Path:
+    """A private stand-in for the repository root on the forge processes' import path."""
+    root = tmp / "repo_root"
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "tool.py").write_text("X = 1\n")
+    (root / "README.md").write_text("not code\n")
+    return root
+
+
+def test_a_sitecustomize_at_the_repository_root_aborts_naming_the_file(tmp_path, capfd):
+    """C1: a ``sitecustomize.py`` written at the repository root (first on every forge process's ``PYTHONPATH``)
+    would patch the reference in the judge's processes: the importable files of the import path are hashed with
+    the gate set, so the run stops before any gate runs, naming the file (class 4)."""
+    root = _import_root(tmp_path)
+    agent = agent_for(tmp_path, {1: ["escape_repo_sitecustomize"], 2: ["engine_comment"]})
+    plan = Path(agent.command.split()[-1])
+    plan.write_text(json.dumps(dict(json.loads(plan.read_text()), vars={"repo_root": str(root)})))
+    ladder = StubLadder()
+    state = forge(micro_rc(), options(tmp_path), agent, ladder_fn=ladder, gate_paths=fake_gates(tmp_path),
+                  import_roots=[root])
+    rec = log_of(tmp_path / "out")[0]
+    assert state["status"] == "aborted: gates changed" and rec["guard"] == "rejected: gates changed", rec
+    assert _classes(rec) == {4} and any(f"added {root / 'sitecustomize.py'}" in p for p in rec["guard_problems"])
+    assert ladder.calls == 0 and "GATES CHANGED" in capfd.readouterr().err
+
+
+def test_the_honest_plan_seals_with_the_import_path_hashed(tmp_path):
+    root = _import_root(tmp_path)
+    state = forge(micro_rc(), options(tmp_path, max_rounds=1), agent_for(tmp_path, {1: ["engine_comment"]}),
+                  ladder_fn=StubLadder(), gate_paths=fake_gates(tmp_path), import_roots=[root])
+    assert state["status"] == "sealed"
+
+
+def test_importable_files_are_every_module_python_could_import_from_the_path(tmp_path):
+    root = _import_root(tmp_path)
+    cache_tag = sys.implementation.cache_tag
+    for rel in ("sitecustomize.py", "json.py", "old.pyc", "fast.abi3.so", "hook.pth", "pkg/__init__.py",
+                "pkg/sub/mod.py", "nsdir/shadow.py", "out_run/workspace/engine/engine.py", "venv/lib/site.py",
+                "venv/pyvenv.cfg", "not-a-package/x.py", ".hidden/x.py", f"pkg/__pycache__/mod.{cache_tag}.pyc",
+                "pkg/data.json", "2024-01-01_12-00/x.py", "skipped/x.py", "outputs/forge/x/full/workspace/engine.py",
+                "outputs/forge/x/full/workspace/forge_state.json"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("")
+    got = {str(p.relative_to(root)) for p in sandbox.importable_files([root], skip=[root / "out_run", root / "skipped"])}
+    assert got == {"sitecustomize.py", "json.py", "old.pyc", "fast.abi3.so", "hook.pth", "pkg/__init__.py",
+                   "pkg/sub/mod.py", "nsdir/shadow.py", "scripts/tool.py"}, got
+    assert ROOT in sandbox.import_roots()  # the repository root, first on the forge processes' PYTHONPATH
+    real = sandbox.importable_files(sandbox.import_roots(), skip=sandbox.gate_paths())
+    assert ROOT / "scenarios" / "__init__.py" in real and not any(".venv" in p.parts for p in real)
+
+
+def test_fresh_cache_empties_a_leftover_cache(tmp_path):
+    """A resume after a killed forge finds the old cache (or one that a leftover recreated): it is emptied."""
+    cache = tmp_path / "pycache"
+    (cache / "sub").mkdir(parents=True)
+    (cache / "sub" / "x.pyc").write_text("old")
+    assert sandbox.fresh_cache(cache) == cache and list(cache.iterdir()) == []
+    assert sandbox.fresh_cache(cache) == cache and [p.name for p in tmp_path.iterdir()] == ["pycache"]
+
+
 # ---------------------------------------------------------------------------------------------------- the guard's rules
 
 _HELPER = r'''

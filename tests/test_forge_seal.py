@@ -19,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -251,6 +253,45 @@ def test_isolation_hides_the_judge_from_native_code_and_refuses_writes(tmp_path)
     assert not (tmp_path / "elsewhere.bin").exists() and (judge / "own" / "x.bin").exists()
 
 
+_SCRATCH = r"""
+import json, os, sys
+relay, own, mark = sys.argv[1:4]
+out = {"relay": os.path.exists(relay), "shm": sorted(os.listdir("/dev/shm"))}
+for name, path in (("tmp", mark), ("dev_shm", "/dev/shm/" + os.path.basename(mark)), ("own", own + "/x")):
+    try:
+        open(path, "w").write("x")
+        out[name] = "ok"
+    except OSError as e:
+        out[name] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_isolation_covers_the_scratch_places_with_empty_writable_tmpfs(tmp_path):
+    """B1's second half: what another process puts in ``/tmp`` or ``/dev/shm`` while the candidate runs (a relayed
+    golden) is not there for it; it still gets writable, private scratch dirs, gone with it."""
+    ok, why = isolate.available()
+    if not ok:
+        pytest.skip(f"no OS isolation here ({why}); the in-process guard alone holds (docs/forge.md)")
+    relay = Path(tempfile.mkdtemp(prefix="forge-relay-", dir="/tmp")) / "golden.bin"
+    shm = Path("/dev/shm") / f"forge-relay-{os.getpid()}"
+    own, mark = tmp_path / "own", Path("/tmp") / f"forge-scratch-{os.getpid()}"
+    own.mkdir()
+    try:
+        relay.write_bytes(b"golden")
+        shm.write_bytes(b"golden")
+        plan = {"hide": [], "ro": [], "rw": [str(own)], "scratch": ["/tmp", "/var/tmp", "/dev/shm"]}
+        p = subprocess.run(isolate.wrap([sys.executable, "-c", _SCRATCH, str(relay), str(own), str(mark)], plan),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got == {"relay": False, "shm": [], "tmp": "ok", "dev_shm": "ok", "own": "ok"}, got
+        assert not mark.exists() and (own / "x").read_text() == "x"  # its /tmp was its own
+    finally:
+        shutil.rmtree(relay.parent, ignore_errors=True)
+        shm.unlink(missing_ok=True)
+
+
 def test_without_isolation_the_candidate_runs_under_the_guard_alone(monkeypatch):
     monkeypatch.setenv("FORGE_ISOLATION", "off")
     assert isolate.available() == (False, "turned off (FORGE_ISOLATION=off)")
@@ -269,7 +310,7 @@ def test_the_isolation_launcher_refuses_bad_input_with_one_line(argv):
 @pytest.mark.parametrize("override,msg", [("forge.gate_window=1.5", "forge.gate_window must lie in (0, 1]"),
                                           ("forge.verify_steps_max=1", "forge.verify_steps_max=1 is below")])
 def test_cli_refuses_bad_secret_ranges_with_one_line(tmp_path, override, msg):
-    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=true", override,
+    p = subprocess.run([sys.executable, "-m", "forgetrain.forge", "agent.command=echo", override,
                         f"forge.out_dir={tmp_path / 'o'}", f"hydra.run.dir={tmp_path / 'h'}"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(f"error: {msg}"), p.stderr[-1500:]

@@ -12,8 +12,9 @@ audit hook in the candidate's process), :mod:`.isolate` (the operating system's 
 :mod:`.content` (the content check against the reference frameworks), :mod:`.bracket` (what the judge reads
 outside the repository, around every round), :mod:`.procs` (the agent and the ladder as processes),
 :mod:`._ladder` (the gates and the verdict), :mod:`._golden` and :mod:`._candidate` (the reference's and the
-candidate's processes), :mod:`.loop` (the rounds, state, log), :mod:`.seal` (the installed copy's re-check, the
-seal), :mod:`.install` (copy a sealed engine into ``scenarios/``).
+candidate's processes), :mod:`.loop` (the rounds, state, log), :mod:`.startup` (the checks before a run, the run dir's lock),
+:mod:`.report` (the closing table), :mod:`.seal` (the installed copy's re-check, the seal), :mod:`.install` (copy a
+sealed engine into ``scenarios/``).
 
 This module holds the Hydra schema (``forge_schema``, registered by :func:`register`) and the entry point; it
 imports neither torch nor megatron. Neither the loop nor the ladder imports a candidate engine: the candidate
@@ -114,6 +115,19 @@ def check_request(obj: dict) -> None:
         from forgetrain.forge.loop import _check
 
         _check(to_run_config({k: v for k, v in obj.items() if k not in ("agent", "forge", "kernel")}), opts, agent)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """The forge's command-line overrides as Hydra parses them, before they are composed (where a value's type is
+    lost): ``agent.command=true`` is a boolean, not the shell command ``true``. Raises ForgeTrainError."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from forgetrain.forge.startup import check_agent_command
+
+    for o in OverridesParser.create().parse_overrides([x for x in overrides if x.split("=", 1)[0].lstrip("+~")
+                                                       == "agent.command"]):
+        if not o.is_delete() and not o.is_sweep_override():
+            check_agent_command(o.value())
 
 
 def forge_task(cfg) -> None:

@@ -166,14 +166,16 @@ class _Sides:
 
     def _plan(self, d: Path, init: Path | None, view: Path, init_dir: Path | None = None) -> dict:
         """What the candidate's process sees (:mod:`forgetrain.forge.isolate`): none of the judge's files, the
-        reference frameworks, the workspace (but its engine) or the shared caches; writable only ``d``."""
+        reference frameworks, the workspace (but its engine) or the shared caches; writable only ``d`` and its own
+        empty scratch dirs (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``$TMPDIR``), which no other process can fill."""
         from forgetrain.forge.runtime_guard import forbidden_package_dirs
 
         hide = [str(self.out), str(self.golden_root), str(self.cache), str(self.ws), *self.shared,
                 *(x for x, _ in forbidden_package_dirs(self.ws)), *self.hide]
         ro = [self.cand["dir"], str(view), str(self.data_dir)] + ([str(init.parent)] if init is not None else []) \
             + ([str(init_dir)] if init_dir is not None else [])
-        return {"hide": hide, "ro": ro, "rw": [str(d)]}
+        scratch = ["/tmp", "/var/tmp", "/dev/shm"] + [x for x in [os.environ.get("TMPDIR")] if x]
+        return {"hide": hide, "ro": ro, "rw": [str(d)], "scratch": scratch}
 
     def candidate(self, tier: str, d: Path, init: Path | None, go: Callable[[], dict],
                   init_dir: Path | None = None) -> dict | None:
@@ -505,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     from forgetrain.cli import _quiet_libraries
-    from forgetrain.forge.procs import become_subreaper, kill_active
+    from forgetrain.forge.procs import become_subreaper, die_with_parent, kill_active
     from forgetrain.trace import atomic_write_json
 
     signal.signal(signal.SIGTERM, kill_active)  # killed at its time limit: the sides it started go too
@@ -516,7 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workspace", default=".", help="workspace dir holding engine/ (default: .)")
     ap.add_argument("--out", required=True, help="output dir for the gate runs")
     ap.add_argument("--result", default=None, help="result JSON path (default OUT/ladder_result.json)")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="the forge process that started this ladder: the ladder and its sides end when it does")
     a = ap.parse_args(argv)
+    if a.parent_pid is not None:
+        die_with_parent(a.parent_pid)  # SIGTERM -> kill_active: a killed forge leaves no ladder or side running
     _quiet_libraries()
     spec = json.loads(Path(a.spec).read_text())
     out = Path(a.out).resolve()

@@ -9,9 +9,12 @@ then, before ``execve(CMD)``:
 1. binds each ``rw`` path of the plan onto itself (a writable mount of its own);
 2. remounts every other mount read-only (``MS_BIND|MS_REMOUNT|MS_RDONLY``; procfs and sysfs stay, their writable
    files need capabilities the namespace does not have);
-3. covers each ``hide`` path with an empty, read-only tmpfs: the goldens, the ladder run's dir, the reference
-   frameworks' packages, ``references/``, the shared caches, the harness's bytecode cache, the forge run's dir;
-4. binds the ``ro`` and ``rw`` paths that lie inside a hidden one back in place (from descriptors opened before);
+3. covers each ``scratch`` path (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``$TMPDIR``: places any process could fill
+   while the candidate runs) with an empty tmpfs of its own, writable and gone with the namespace, and each
+   ``hide`` path with an empty, read-only tmpfs: the goldens, the ladder run's dir, the reference frameworks'
+   packages, ``references/``, the shared caches, the harness's bytecode cache, the forge run's dir;
+4. binds the ``ro`` and ``rw`` paths that lie inside a covered one back in place (from descriptors opened
+   before);
 5. enters a second user namespace, so that every mount above is locked: the candidate, whatever its
    capabilities inside, can neither unmount a cover nor remount a read-only mount writable. ``/proc/<pid>/root``
    of the processes outside is refused to it too (another user namespace).
@@ -86,12 +89,14 @@ def _under(path: str, root: str) -> bool:
 
 
 def enter(plan: dict) -> None:
-    """Steps 1-5 of the module docstring in this process, for ``plan`` (``hide``, ``ro``, ``rw``: lists of
-    absolute paths; missing ``hide`` paths are skipped, ``ro``/``rw`` paths must exist). Raises OSError when a
-    step fails (the caller must then not run the candidate)."""
+    """Steps 1-5 of the module docstring in this process, for ``plan`` (``scratch``, ``hide``, ``ro``, ``rw``:
+    lists of absolute paths; missing ``scratch`` and ``hide`` paths are skipped, ``ro``/``rw`` paths must exist).
+    Raises OSError when a step fails (the caller must then not run the candidate)."""
     libc = _libc()
+    scratch = sorted({os.path.realpath(p) for p in plan.get("scratch", []) if os.path.isdir(p)})
+    scratch = [x for x in scratch if not any(_under(x, o) and x != o for o in scratch)]
     hide = sorted({os.path.realpath(p) for p in plan.get("hide", []) if os.path.isdir(p)})
-    hide = [h for h in hide if not any(_under(h, o) and h != o for o in hide)]  # the outermost covers suffice
+    hide = [h for h in hide if not any(_under(h, o) and h != o for o in hide + scratch)]  # the outermost suffice
     rw = sorted({os.path.realpath(p) for p in plan.get("rw", [])})
     ro = sorted({os.path.realpath(p) for p in plan.get("ro", [])} - set(rw))
     _enter_userns(libc)
@@ -102,10 +107,12 @@ def enter(plan: dict) -> None:
     for mp in _mount_points():
         if mp not in rw and os.path.exists(mp):
             _remount_ro(libc, mp)
+    for x in scratch:  # empty and writable: nothing another process put there is visible
+        _mount(libc, "tmpfs", x, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
     for h in hide:
         _mount(libc, "tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
     for p in rw + ro:
-        if not any(_under(p, h) for h in hide):
+        if not any(_under(p, h) for h in hide + scratch):
             if p in ro:
                 continue  # already visible, and read-only like everything else
         else:

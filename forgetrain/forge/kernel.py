@@ -43,6 +43,7 @@ from forgetrain.errors import ConfigError
 from forgetrain.forge import MODES, AgentConfig, ForgeOptions
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.knowledge import KnowledgeBase, fix_line
+from forgetrain.forge.startup import check_agent_command
 from forgetrain.kernels import switches
 from forgetrain.kernels.switches import file_sha256
 from forgetrain.trace import atomic_write_bytes, atomic_write_json
@@ -144,6 +145,7 @@ def _check(kernel: str, opts: ForgeOptions, agent: AgentConfig) -> None:
         raise ConfigError(f"forge.mode must be one of {', '.join(MODES)}, got '{opts.mode}'")
     if opts.max_rounds < 0:
         raise ConfigError(f"forge.max_rounds must be >= 0, got {opts.max_rounds}")
+    check_agent_command(agent.command)
     if opts.max_rounds > 0 and not (agent.command or "").strip():
         raise ConfigError("set agent.command (docs/forge.md)")
     if opts.resume:
@@ -396,7 +398,14 @@ class KernelRun:
         rows = wsmod.changed_paths(self.ws, pre)
         outside = [f"{st} {p}" for st, p in rows if p != self.rel or st != "M"]
         res, passed = None, False
-        if outside:
+        left = rec.pop("agent_leftovers", None)
+        if left:  # it could act while the gate runs: escape class 3, as in the engine forge
+            from forgetrain.forge.sandbox import GUARD_LABELS, reason
+
+            wsmod.revert_to(self.ws, pre)
+            rec.update(guard=GUARD_LABELS[3], gate="not run (guard)", guard_problems=[
+                reason(3, f"a process the agent started outlived its round ({x}; killed)") for x in left])
+        elif outside:
             wsmod.revert_to(self.ws, pre)
             rec.update(guard="rejected: edit outside the kernel file", guard_problems=outside,
                        gate="not run (guard)")

@@ -47,7 +47,7 @@ from forgetrain.config import RunConfig, validate
 from forgetrain.errors import ConfigError
 from forgetrain.forge import MODES, AgentConfig, ForgeOptions
 from forgetrain.forge import brief as briefmod
-from forgetrain.forge import bracket, sandbox
+from forgetrain.forge import bracket, report, sandbox, startup
 from forgetrain.forge import seal as sealmod
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge._ladder import TIER_ORDER, tiers_to_try
@@ -144,6 +144,7 @@ def _check(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig) -> None:
         raise ConfigError(str(e)) from None
     if opts.max_rounds < 0:
         raise ConfigError(f"forge.max_rounds must be >= 0, got {opts.max_rounds}")
+    startup.check_options(opts, agent)
     if opts.max_rounds > 0 and not (agent.command or "").strip():
         raise ConfigError('set agent.command, e.g. agent.command=\'claude -p "$(cat {brief})" '
                           "--permission-mode acceptEdits' (docs/forge.md)")
@@ -174,7 +175,7 @@ class _Run:
     """One forge run; :func:`forge` is the public entry."""
 
     def __init__(self, rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, ladder_fn: LadderFn | None,
-                 gate_paths: list[Path] | None):
+                 gate_paths: list[Path] | None, import_roots: list[Path] | None = None):
         self.rc, self.opts, self.agent = rc, opts, agent
         self.scenario = rc.scenario.name
         self.out = Path(opts.out_dir or Path("outputs") / "forge" / self.scenario / opts.mode).resolve()
@@ -183,8 +184,10 @@ class _Run:
         self.log_path = self.out / "forge_log.jsonl"
         self.spec_path = self.out / "ladder_spec.json"
         self.pycache = self.out / "pycache"  # the run's private bytecode cache (forgetrain.forge.sandbox)
-        self.ladder_fn = ladder_fn or functools.partial(subprocess_ladder, cache_dir=self.pycache)
+        self.ladder_fn = ladder_fn  # None: the subprocess ladder, once the run dir is locked (run)
         self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else sandbox.gate_paths())]
+        self.import_roots = [Path(p) for p in (import_roots if import_roots is not None else
+                                               sandbox.import_roots() if gate_paths is None else [])]
         self.kb = KnowledgeBase(opts.kb_path)
         from forgetrain.data.prepare import default_cache_dir
 
@@ -200,7 +203,7 @@ class _Run:
             raise ConfigError(f"a forge run exists at {self.out}; rerun with forge.resume=true to continue it or "
                               f"forge.overwrite=true to start over")
         if exists and self.opts.resume:
-            self.state = json.loads(self.state_path.read_text())
+            self.state = startup.read_state(self.state_path)
             old = json.loads(self.spec_path.read_text()) if self.spec_path.exists() else None
             if old is not None and old != self.spec:
                 diff = sorted(k for k in set(old) | set(self.spec) if old.get(k) != self.spec.get(k))
@@ -245,6 +248,13 @@ class _Run:
     def _save_state(self) -> None:
         atomic_write_json(self.state_path, self.state)
 
+    def gate_hashes(self) -> dict[str, str]:
+        """The hashed gate set's file hashes (class 4): the gate paths, the spec, and every importable file on the
+        forge processes' import path outside them (:func:`forgetrain.forge.sandbox.importable_files`: a
+        ``sitecustomize.py`` or a module at the repository root), but the run's own dir."""
+        files = sandbox.importable_files(self.import_roots, skip=self.gate_paths + [self.out])
+        return wsmod.hash_paths(self.gate_paths + [self.spec_path] + files)
+
     # ------------------------------------------------------------ brief
     def brief_ctx(self, k: int) -> dict:
         s, o = self.state, self.opts
@@ -269,14 +279,13 @@ class _Run:
         the gate set and the spec (``gates_changed``: the run aborts, class 4), the interpreter's packages (the
         same, class 8), the prepared corpora (``rejected``, class 8; the corpus is removed) and the workspace (the
         engine judged must be the engine sealed: ``rejected``, class 3)."""
-        gates = self.gate_paths + [self.spec_path]
-        before, tree = wsmod.hash_paths(gates), wsmod.stage_tree(self.ws)
+        before, tree = self.gate_hashes(), wsmod.stage_tree(self.ws)
         reads = reads or bracket.signature(self.shared)  # the agent round's closing signature, when it has one
         res = self.ladder_fn(spec_path or self.spec_path, self.ws, rdir / name, self.opts.ladder_timeout_s,
                              rdir / f"{name}.log")
         res["round"] = k
         data, code = bracket.changes(reads, bracket.signature(self.shared))
-        res["gates_changed"] = [[4, x] for x in wsmod.hash_changes(before, wsmod.hash_paths(gates))] + \
+        res["gates_changed"] = [[4, x] for x in wsmod.hash_changes(before, self.gate_hashes())] + \
             [[8, x] for x in code] or None
         moved = [f"{st} {p}" for st, p in wsmod.changed_paths(self.ws, tree)] + sandbox.unscanned_files(self.ws)
         if data and not res.get("rejected"):
@@ -434,8 +443,7 @@ class _Run:
         brief.write_text(text)
         (rdir / "BRIEF.md").write_text(text)
         pre = wsmod.stage_tree(self.ws)
-        gates = self.gate_paths + [self.spec_path]
-        before, cache = wsmod.hash_paths(gates), sandbox.stat_signature([self.pycache])
+        before, cache = self.gate_hashes(), sandbox.stat_signature([self.pycache])
         reads = bracket.signature(self.shared)
         rec: dict = {"round": k, "mode": self.opts.mode}
         head_ref, head = wsmod.git(self.ws, "symbolic-ref", "HEAD"), wsmod.git(self.ws, "rev-parse", "HEAD")
@@ -445,7 +453,7 @@ class _Run:
         # ---- guard
         reads_after = bracket.signature(self.shared)
         data, code = bracket.changes(reads, reads_after)
-        tampered = [(4, x) for x in wsmod.hash_changes(before, wsmod.hash_paths(gates))] + [(8, x) for x in code]
+        tampered = [(4, x) for x in wsmod.hash_changes(before, self.gate_hashes())] + [(8, x) for x in code]
         if tampered:
             self._abort(k, rec, pre, tampered, "during the agent's round", t0)
             return None
@@ -458,6 +466,10 @@ class _Run:
             sandbox.fresh_cache(self.pycache)
             guard, problems = sandbox.GUARD_LABELS[3], [sandbox.reason(3, f"the forge's bytecode cache "
                                                                         f"{self.pycache} changed during the round")]
+        left = rec.pop("agent_leftovers", None)
+        if left:  # a process the agent left behind could act during the ladder (relay a golden, plant bytecode)
+            guard, problems = sandbox.GUARD_LABELS[3], [sandbox.reason(3, f"a process the agent started outlived "
+                                                                        f"its round ({x}; killed)") for x in left]
         if guard.startswith("rejected"):
             wsmod.revert_to(self.ws, pre)
             sandbox.remove_unscanned(self.ws)
@@ -497,49 +509,18 @@ class _Run:
     def seal(self) -> Path:
         return sealmod.seal(self)
 
-    def summary(self) -> None:
-        rows = [("round", "mode", "agent", "guard", "ladder", "first divergence", "MFU %", "wall")]
-        for r in self.records:
-            agent = "-" if r["mode"] == "baseline" else ("timeout" if r.get("agent_timeout") else
-                                                         f"rc={r.get('agent_rc')} {r.get('agent_s', 0):.1f}s")
-            rows.append((str(r["round"]), r["mode"], agent, r.get("guard", "-"), r.get("ladder", "-"),
-                         (r.get("first_divergence_text") or "-")[:60],
-                         "-" if r.get("mfu_pct") is None else f"{r['mfu_pct']:.3f}", f"{r['wall_s']:.1f}s"))
-        widths = [max(len(x[i]) for x in rows) for i in range(len(rows[0]))]
-        lines = ["", f"=== forge summary: {self.scenario} ({self.opts.mode}) -> {self.state['status']} ==="]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.append(f"log: {self.log_path}  workspace: {self.ws}" +
-                     (f"  seal: {self.state['seal']}" if self.state.get("seal") else ""))
-        _say("\n".join(lines))
-
-    def update_modes(self) -> None:
-        """``<out>/../modes.json``: this mode's outcome beside the other mode's, when both have run."""
-        path = self.out.parent / "modes.json"
-        try:
-            modes = json.loads(path.read_text()) if path.exists() else {}
-        except json.JSONDecodeError:
-            modes = {}
-        last = self.state.get("last_ladder") or {}
-        modes[self.opts.mode] = {"status": self.state["status"], "rounds_run": self.state["round"],
-                                 "rounds_to_pass": self.state.get("rounds_to_pass"),
-                                 "tier": last.get("strictest_passed"),
-                                 "final_mfu_pct": (last.get("metrics") or {}).get("mfu_pct"),
-                                 "wall_s": round(float(self.state.get("wall_s", 0.0)), 3),
-                                 "out_dir": str(self.out), "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        atomic_write_json(path, modes)
-        if len(modes) > 1:
-            lines = [f"{'mode':<10} {'status':<24} {'rounds to pass':>14} {'final MFU %':>11} {'wall s':>9}"]
-            for m, x in sorted(modes.items()):
-                mfu = "-" if x.get("final_mfu_pct") is None else f"{x['final_mfu_pct']:.3f}"
-                lines.append(f"{m:<10} {x['status']:<24} {str(x.get('rounds_to_pass') or '-'):>14} {mfu:>11} "
-                             f"{x['wall_s']:>9.1f}")
-            _say("modes side by side (" + str(path) + "):\n" + "\n".join(lines))
-
     # ------------------------------------------------------------ drive
     def run(self) -> dict:
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = startup.lock_out_dir(self.out)
+        try:
+            if self.ladder_fn is None:
+                self.ladder_fn = functools.partial(subprocess_ladder, cache_dir=self.pycache, pass_fds=(lock,))
+            return self._run()
+        finally:
+            os.close(lock)
+
+    def _run(self) -> dict:
         self.prepare()
         if not self.rc.data.path:  # the corpus the gates cut their windows from: prepared, and checked, up front
             from forgetrain.data import prepare
@@ -549,7 +530,7 @@ class _Run:
         s = self.state
         if s["status"] == "sealed":
             _say(f"[forge] already sealed: {s.get('seal')}")
-            self.summary()
+            report.summary(self)
             return s
         if s["status"].startswith("aborted"):
             raise ConfigError(f"this run was {s['status']}; restore the gates and start over with "
@@ -570,22 +551,25 @@ class _Run:
         elif not s["status"].startswith("aborted"):
             s["status"] = "exhausted"
             self._save_state()
-        self.summary()
-        self.update_modes()
+        report.summary(self)
+        report.update_modes(self)
         return s
 
 
 def forge(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, *, ladder_fn: LadderFn | None = None,
-          gate_paths: list[Path] | None = None) -> dict:
+          gate_paths: list[Path] | None = None, import_roots: list[Path] | None = None) -> dict:
     """Run the forge loop for ``rc.scenario`` and return the final state dict (``status``: sealed | exhausted |
     aborted: gates changed; ``round``; ``last_ladder``; ``seal`` when sealed).
 
     ``ladder_fn(spec_path, workspace, out_dir, timeout_s, log_path) -> result dict`` replaces the subprocess ladder
     (tests inject stubs); ``gate_paths`` replaces the hashed gate set (default
     :func:`forgetrain.forge.sandbox.gate_paths`: all of the repository's ``forgetrain/``, ``references/``,
-    ``conf/``, ``tests/`` and the interpreter's site hooks). Raises ConfigError on bad options.
+    ``conf/``, ``tests/`` and the interpreter's site hooks); the importable files of ``import_roots`` are hashed
+    with it (default, with the default gate set: :func:`forgetrain.forge.sandbox.import_roots`, the repository
+    root and the ``PYTHONPATH``). Raises ConfigError on bad options, an unreadable state to resume, or a run dir
+    another process holds.
     """
     _check(rc, opts, agent)
     validate(dataclasses.replace(rc, train=dataclasses.replace(
         rc.train, steps=opts.verify_steps, lr_warmup_steps=_warmup(rc, opts))))
-    return _Run(rc, opts, agent, ladder_fn, gate_paths).run()
+    return _Run(rc, opts, agent, ladder_fn, gate_paths, import_roots).run()

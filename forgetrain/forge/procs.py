@@ -26,6 +26,7 @@ from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.sandbox import private_cache, sandbox_env
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent exits
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphaned descendants are re-parented to this process, not to init
 _SUBREAPER = False  # set by become_subreaper(): this process reaps the orphans it adopts
 
@@ -45,6 +46,24 @@ def become_subreaper() -> bool:
     except (OSError, AttributeError):
         _SUBREAPER = False
     return _SUBREAPER
+
+
+def die_with_parent(parent: int | None, sig: int = signal.SIGTERM) -> bool:
+    """Have this process get ``sig`` when its parent exits (Linux ``prctl(PR_SET_PDEATHSIG)``), so that a killed
+    forge does not leave its ladder (and the sides the ladder ends on SIGTERM, :func:`kill_active`) running. When
+    ``parent`` (the pid that started this process) is given and is no longer the parent, it has already exited:
+    ``sig`` is sent at once. Returns whether the setting took effect (False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        ok = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+    if ok and parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return ok
 
 
 def children() -> dict[int, str]:
@@ -174,14 +193,22 @@ def run_group(cmd, *, cwd: Path, env: dict, timeout_s: float | None, stdin=None,
 
 
 def kill_active(*_) -> None:
-    """SIGKILL every group this process started and has not reaped; then exit 143. Installed as the ladder's
-    SIGTERM handler, so that killing the ladder (its time limit) also ends the sides it started in sessions of
-    their own."""
+    """SIGKILL every group this process started and has not reaped, and every process it adopted as a subreaper;
+    reap them; then exit 143. Installed as the ladder's SIGTERM handler, so that killing the ladder (its time limit,
+    or its parent's death: :func:`die_with_parent`) also ends the sides it started in sessions of their own, before
+    the forge run's lock (held by the ladder too) is released."""
     for p in list(_ACTIVE):
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    for p in list(_ACTIVE):
+        try:
+            os.waitpid(p.pid, 0)
+        except (ChildProcessError, OSError):
+            pass
+        _ACTIVE.discard(p)
+    kill_leftovers(set(), grace_s=0.0, limit_s=3.0)
     os._exit(143)
 
 
@@ -235,31 +262,41 @@ def format_agent_command(template: str, brief: Path, ws: Path, round_k: int) -> 
 
 
 def run_agent(agent: AgentConfig, ws: Path, brief: Path, round_k: int, rdir: Path) -> dict:
-    """Run the agent command in the workspace; stdout/stderr go to ``rdir``. Returns rc, timeout flag, seconds.
-    Its Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``): bytecode in the workspace rejects a round."""
+    """Run the agent command in the workspace; stdout/stderr go to ``rdir``. Returns rc, timeout flag, seconds and
+    ``agent_leftovers``: the processes the agent started that outlived its round (``pid N: command line``), killed.
+    This process is made the subreaper of its descendants (:func:`become_subreaper`) before the agent starts, so
+    that one which left the agent's process group (``setsid``, a double fork) is re-parented here and
+    found (:func:`kill_leftovers`; on Linux only). Its Python writes no bytecode (``PYTHONDONTWRITEBYTECODE``):
+    bytecode in the workspace rejects a round."""
     cmd = format_agent_command(agent.command, brief, ws, round_k)
     env = dict(os.environ, FORGE_BRIEF=str(brief), FORGE_WORKSPACE=str(ws), FORGE_ROUND=str(round_k),
                FORGE_HARNESS_PID=str(os.getpid()), PYTHONDONTWRITEBYTECODE="1")
     (rdir / "agent.command").write_text(cmd + "\n")
+    become_subreaper()
+    kids = set(children())
     with open(rdir / "agent.stdout", "wb") as so, open(rdir / "agent.stderr", "wb") as se:
         rc, timed_out, secs = run_group(cmd, shell=True, cwd=ws, env=env, timeout_s=agent.timeout_s,
                                         stdin=subprocess.DEVNULL, stdout=so, stderr=se)
-    return {"agent_rc": rc, "agent_timeout": timed_out, "agent_s": round(secs, 3)}
+    left = kill_leftovers(kids)
+    return {"agent_rc": rc, "agent_timeout": timed_out, "agent_s": round(secs, 3), "agent_leftovers": left}
 
 
 def subprocess_ladder(spec_path: Path, ws: Path, out: Path, timeout_s: float, log_path: Path,
-                      cache_dir: Path | None = None) -> dict:
+                      cache_dir: Path | None = None, pass_fds: tuple = ()) -> dict:
     """The default ladder: ``python -m forgetrain.forge._ladder`` in a subprocess with a time limit, using the
-    private bytecode cache ``cache_dir`` (default: a new, empty one)."""
+    private bytecode cache ``cache_dir`` (default: a new, empty one). It dies with this process
+    (``--parent-pid``: :func:`die_with_parent`); ``pass_fds`` (the forge run's lock) are held by it too, so that
+    the lock is free only once the ladder and its sides have ended."""
     result = out.parent / "ladder_result.json"
     if result.exists():
         result.unlink()
     out.mkdir(parents=True, exist_ok=True)
     cmd = [wsmod.python(), "-m", "forgetrain.forge._ladder", "--spec", str(spec_path), "--workspace", str(ws),
-           "--out", str(out), "--result", str(result)]
+           "--out", str(out), "--result", str(result), "--parent-pid", str(os.getpid())]
     with private_cache(cache_dir) as cache, open(log_path, "wb") as log:
         rc, timed_out, secs = run_group(cmd, cwd=out, env=sandbox_env(cache, writable=True), timeout_s=timeout_s,
-                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        pass_fds=tuple(pass_fds))
     if timed_out:
         return {"ok": False, "error": f"ladder timed out after {timeout_s:.0f} s (candidate hung or too slow)",
                 "timeout": True, "verdicts": [], "target_met": False, "strictest_passed": None, "wall_s": secs}

@@ -19,10 +19,12 @@ its class (:func:`reason`), defined once here:
    that only the harness's own processes write (:func:`sandbox_env`), so no ``__pycache__`` anyone else wrote
    runs; each candidate process gets a private view of it (:func:`candidate_cache`), compared file by file after
    the process and what it started have ended (:func:`cache_changes`): a change names the file, and the harness's
-   cache is emptied, so no bytecode a candidate wrote is ever loaded by another process.
+   cache is emptied, so no bytecode a candidate wrote is ever loaded by another process. A process the agent
+   leaves behind is killed after its round and rejects it (:func:`forgetrain.forge.procs.run_agent`).
 4. *an edit outside the hashed gate set* -- the hashed set is everything of the repository that the judge or the
    candidate's process imports or reads (:func:`gate_paths`: all of ``forgetrain/``, ``references/``,
-   ``conf/``, ``tests/``, plus the interpreter's site hooks); a change aborts the run and names the file.
+   ``conf/``, ``tests/``, plus the interpreter's site hooks) and every importable file elsewhere on the forge
+   processes' import path (:func:`importable_files`); a change aborts the run and names the file.
 5. *replaying the reference* -- a reference run recorded in advance, written out by the candidate's process.
    Closed by the gate's secret values (:mod:`.secret`), the judge's rechecks of every trace (:mod:`.recheck`) and
    the run-time guard's snapshot of every module.
@@ -44,6 +46,7 @@ import json
 import os
 import shutil
 import site
+import sys
 import tempfile
 from pathlib import Path
 
@@ -94,6 +97,54 @@ def gate_paths(root: Path = REPO_ROOT) -> list[Path]:
     """The hashed gate set: ``root``'s ``forgetrain/``, ``references/``, ``conf/`` and ``tests/`` (everything the
     judge or the candidate's process imports or reads from the repository), and the interpreter's site hooks."""
     return [root / d for d in GATE_DIRS] + site_hooks()
+
+
+IMPORTABLE_SUFFIXES = tuple(sorted({".pth", *importlib.machinery.SOURCE_SUFFIXES, *BYTECODE_SUFFIXES}))
+
+
+def import_roots() -> list[Path]:
+    """The directories on the forge processes' import path (:func:`sandbox_env`) that the agent could write and that
+    no other check covers: the repository root, first on their ``PYTHONPATH``, and this process's own
+    ``PYTHONPATH`` entries, but those of the interpreter (its standard library and ``site-packages`` are
+    stat-signed, :mod:`.bracket`)."""
+    interp = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out: list[Path] = []
+    for p in [str(REPO_ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        real = os.path.realpath(p) if p else ""
+        if real and os.path.isdir(real) and not any(_inside(real, i) for i in interp) and Path(real) not in out:
+            out.append(Path(real))
+    return out
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _importable_name(name: str) -> bool:
+    """Whether a file of this name in a directory on ``sys.path`` (or in a package) can be imported or run at
+    start-up: a module's source, bytecode or native module named by an identifier, or a ``.pth`` file."""
+    return any(name.endswith(suf) and (suf == ".pth" or name[:-len(suf)].isidentifier())
+               for suf in IMPORTABLE_SUFFIXES)
+
+
+def importable_files(roots: list[Path], skip: list[Path] = ()) -> list[Path]:
+    """Every file Python could import from ``roots`` (directories on the import path): the importable files
+    (:func:`_importable_name`: ``*.py``, bytecode, native modules, ``*.pth``; a ``sitecustomize.py``, a module
+    shadowing a library's) directly in a root and in every directory reachable from it through directories named
+    by identifiers (packages and namespace packages). ``skip`` (dirs hashed whole, the forge run's own dir),
+    virtual environments (``pyvenv.cfg``: their packages are stat-signed, class 8) and, below the top level, other
+    forge runs' workspaces (``forge_state.json``: their engines are loaded from their files, never imported by a
+    name on the path, and a concurrent run edits them) are not walked."""
+    skips = [os.path.realpath(x) for x in skip]
+    out: list[Path] = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            marks = ("pyvenv.cfg",) if dirpath == str(root) else ("pyvenv.cfg", "forge_state.json")
+            dirnames[:] = sorted(d for d in dirnames if d.isidentifier() and not any(
+                _inside(os.path.realpath(os.path.join(dirpath, d)), x) for x in skips)
+                and not any(os.path.exists(os.path.join(dirpath, d, m)) for m in marks))
+            out += [Path(dirpath) / f for f in sorted(filenames) if _importable_name(f)]
+    return out
 
 
 def stat_signature(paths: list[Path]) -> dict[str, tuple]:
@@ -148,9 +199,21 @@ def private_cache(cache_dir: Path | None = None):
 
 
 def fresh_cache(cache_dir: Path) -> Path:
-    """Empty ``cache_dir`` (a forge run's private bytecode cache) and return it."""
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    cache_dir.mkdir(parents=True)
+    """Empty ``cache_dir`` (a forge run's private bytecode cache) and return it. The old tree is first renamed
+    aside, so that a file a leftover process writes meanwhile lands in the tree being removed, never in the new
+    one, and a dir that reappears under the name is taken as it is. Raises OSError when it cannot be made."""
+    cache_dir = Path(cache_dir)
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    if cache_dir.exists() or cache_dir.is_symlink():
+        aside = Path(tempfile.mkdtemp(prefix=f".{cache_dir.name}-old-", dir=cache_dir.parent))
+        try:
+            os.rename(cache_dir, aside / cache_dir.name)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    cache_dir.mkdir(exist_ok=True)
+    for x in list(cache_dir.iterdir()):  # written after the rename by a process that is still running
+        shutil.rmtree(x, ignore_errors=True) if x.is_dir() and not x.is_symlink() else x.unlink(missing_ok=True)
     return cache_dir
 
 

@@ -258,6 +258,7 @@ def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_
     (ws / ".gitignore").write_text(GITIGNORE)
     (ws / "BRIEF.md").write_text("# brief\n(written by the harness each round)\n")
     git(ws, "init", "-q")
+    git(ws, "config", "gc.autoDetach", "false")  # no git process outlives an agent's command (a leftover rejects)
     git(ws, "add", "-A")
     git(ws, "commit", "-q", "-m", f"seed: {info.get('seed_from', info['template'])}")
     info["commit"] = git(ws, "rev-parse", "HEAD")
