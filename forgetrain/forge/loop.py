@@ -184,6 +184,7 @@ class _Run:
         self.spec_path = self.out / "ladder_spec.json"
         self.pycache = self.out / "pycache"  # the run's private bytecode cache (forgetrain.forge.sandbox)
         self.ladder_fn = ladder_fn or functools.partial(subprocess_ladder, cache_dir=self.pycache)
+        self.plain_check = ladder_fn is None  # the seal's user run is judged by real gates only (not a stub's)
         self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else sandbox.gate_paths())]
         self.kb = KnowledgeBase(opts.kb_path)
         from forgetrain.data.prepare import default_cache_dir
