@@ -103,10 +103,17 @@ def user_overrides(rc, engine: str) -> list[str]:
     if composed.model.name != rc.model.name and (Path(CONF_DIR) / "model" / f"{rc.model.name}.yaml").is_file():
         base.append(f"model={rc.model.name}")  # a preset is chosen as a group, as a user chooses it
         composed = _composed(base)
-    have = _leaves(dataclasses.asdict(composed))
     want = _leaves({k: v for k, v in dataclasses.asdict(rc).items() if k != "scenario"})
-    out = base + [f"{k}={_value(v)}" for k, v in want.items() if k != "train.out_dir" and have.get(k) != v]
-    if config_hash(_composed(out)) != config_hash(rc):
+    out, keys = list(base), []
+    for _ in range(3):  # a setting resolved from others (lr_warmup_steps from steps) may differ only once they are set
+        have = _leaves(dataclasses.asdict(composed))
+        new = [k for k, v in want.items() if k != "train.out_dir" and have.get(k) != v and k not in keys]
+        if not new:
+            break
+        keys += new
+        out = base + [f"{k}={_value(want[k])}" for k in want if k in keys]
+        composed = _composed(out)
+    if config_hash(composed) != config_hash(rc):
         raise ConfigError("the plain re-check's overrides do not compose to the judged run (config hash differs)")
     return out
 
