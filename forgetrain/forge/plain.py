@@ -155,16 +155,16 @@ class PlainCheck:
     """The plain re-check of one round (module docstring). Made before the installed copy's gated re-check, so
     that the judge's side prepares (imports, the window, the reference's init) while that runs; :meth:`run` then
     runs the installed engine as a user's process and judges it; :meth:`close` ends the judge's side and removes the
-    user's project dir. ``passed``: the ladder result that met the target; a curve or speed tier is not re-run
+    user's project dir. ``passed``: the ladder result that met the target; ``name``: the installed package's
+    name; a curve or speed tier is not re-run
     this way (``skipped`` says so)."""
 
-    def __init__(self, run, rdir: Path, passed: dict):
+    def __init__(self, run, rdir: Path, passed: dict, name: str):
         import forgetrain.verify as fv
         from forgetrain.config import to_run_config
         from forgetrain.equivalence import registry
         from forgetrain.forge import procs, sandbox, secret
         from forgetrain.forge import workspace as wsmod
-        from forgetrain.forge.seal import destination
         from forgetrain.train import config_hash
 
         self.run_, self.judge, self.root, self.log = run, None, None, None
@@ -178,7 +178,7 @@ class PlainCheck:
         d.mkdir(parents=True)
         self.root = root = Path(tempfile.mkdtemp())  # the user's project dir
         self.drawn = drawn = secret.draw(run.spec["secret"])
-        self.name = destination(run).name  # the package name the re-check imports it under
+        self.name = name  # the package name the re-check imports it under
         jspec = secret.judge_spec(dict(run.spec, tiers=[tier], target_tier=tier), drawn, d / "_data", d / "golden")
         # the run the ladder's candidate makes (forgetrain.verify's settings), from the reference's init, on a copy
         user = fv._run_cfg(to_run_config(jspec["run_config"]), Path("."), steps=int(drawn["steps"]), digests=True)

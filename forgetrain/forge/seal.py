@@ -82,7 +82,7 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
         if getattr(run, "plain_check", True):  # then as a user runs it (forgetrain.forge.plain); it prepares meanwhile
             from forgetrain.forge.plain import PlainCheck
 
-            plain = PlainCheck(run, rdir, passed or {})
+            plain = PlainCheck(run, rdir, passed or {}, dest.name)
         res = run.ladder(k, rdir, spec_path=spec_path, name="reverify")
         problems = _problems(res, dest)
         after = _engine_hashes(dest)
