@@ -38,9 +38,11 @@ log = logging.getLogger("forgetrain")
 
 def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     """Train ``cfg.scenario.name`` holding the output directory's lock, from ``train.init_weights`` where it is set
-    (and no ``init_hf`` is given); see :func:`_train` for the arguments, the outputs and the errors. A second run on a directory in use raises ConfigError. ``record``: the composed Hydra
-    config, written to ``<out>/.hydra/config.yaml`` (``config.resume.yaml`` on a resume) once the run owns
-    ``out``, so a rejected run writes nothing and a refused second run leaves the first run's record alone."""
+    (and no ``init_hf`` is given); see :func:`_train` for the arguments, the outputs and the errors. A second run
+    on a directory in use, or an ``init_weights`` file that is not safetensors, raises ConfigError. ``record``: the
+    composed Hydra config, written to ``<out>/.hydra/config.yaml`` (``config.resume.yaml`` on a resume) once the
+    run owns ``out``, so a rejected run writes nothing and a refused second run leaves the first run's record
+    alone."""
     env: DistEnv = init_distributed(cfg.parallel)
     ref = kw.get("kind", "scenarios") != "scenarios"
     validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)

@@ -6,8 +6,9 @@
 
 1. before the user's run: the data window is cut into the dir the spec's ``data.path`` names
    (:func:`forgetrain.forge.secret.build_window`; the user's run reads a copy, the golden this one), and the
-   reference's init for the drawn seed is written to ``FILE`` (:func:`forgetrain.verify.reference_init`: the weights alone, no step taken, nothing of the trajectory
-   a golden holds). The judge's modules are imported now, then ``ready`` is printed on stdout;
+   reference's init for the drawn seed is written to ``FILE`` (:func:`forgetrain.verify.reference_init`: the
+   weights alone, no step taken, nothing of the trajectory a golden holds). The judge's modules are imported,
+   then ``ready`` is printed on stdout;
 2. one JSON line on stdin, ``{"trace": DIR}`` (the user's run's trace, finished) or ``{"stop": why}``: only then
    is the golden for those values made (:func:`forgetrain.verify.verify` with ``make_golden``, into the spec's
    ``golden_root``, which did not exist until now), its init checked against ``FILE``'s, and the trace judged:

@@ -223,13 +223,12 @@ class PlainCheck:
 
 def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides: list[str]) -> tuple[list, dict]:
     from forgetrain.forge import procs, sandbox
+    from forgetrain.forge.workspace import python
 
-    if judge.stdout.readline().strip() != b"ready":
-        judge.wait()
-        raise RuntimeError(f"the judge's side of the plain re-check failed; see {d / 'judge.log'}")
+    _ready(judge, d, run.opts.ladder_timeout_s)
     shutil.copytree(d / "_data", root / "data")
     shutil.copy2(d / "init.safetensors", root / "init.safetensors")
-    cmd = shlex.join([procs_python(), "-m", "forgetrain", *overrides])
+    cmd = shlex.join([python(), "-m", "forgetrain", *overrides])  # the forge's interpreter, as the user's
     judged = [d / "_data", d / "init.safetensors", d / "spec.json"]
     watched, judge_sig = _watch(run), sandbox.stat_signature(judged)
     t0 = time.monotonic()
@@ -253,7 +252,10 @@ def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides
     shutil.copytree(runs[-1].parent, d / "trace")
     judge.stdin.write((json.dumps({"trace": str(d / "trace")}) + "\n").encode())
     judge.stdin.flush()
-    judge.wait()
+    try:
+        judge.wait(timeout=run.opts.ladder_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the judge's side of the plain re-check timed out; see {d / 'judge.log'}") from None
     res_file = d / "plain_result.json"
     if judge.returncode != 0 or not res_file.is_file():
         raise RuntimeError(f"the judge's side of the plain re-check failed; see {d / 'judge.log'}")
@@ -270,8 +272,9 @@ def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides
     return [], record
 
 
-def procs_python() -> str:
-    """The interpreter a user's run uses: the forge's (``FORGE_PYTHON`` where set, else this one)."""
-    from forgetrain.forge.workspace import python
+def _ready(judge, d: Path, timeout_s: float) -> None:
+    """Wait for the judge's side to print ``ready``. Raises RuntimeError when it fails or takes over ``timeout_s``."""
+    import select
 
-    return python()
+    if not select.select([judge.stdout], [], [], timeout_s)[0] or judge.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"the judge's side of the plain re-check did not get ready; see {d / 'judge.log'}")

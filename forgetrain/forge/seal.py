@@ -77,7 +77,7 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
         spec.update(drawn=gate["drawn"], reuse={"golden": str(src / "golden"), "data": str(src / "_data")})
     spec_path = rdir / "reverify_spec.json"
     atomic_write_json(spec_path, spec)
-    plain, plain_rec = None, None
+    plain, plain_rec, res = None, None, {}
     try:
         if getattr(run, "plain_check", True):  # then as a user runs it (forgetrain.forge.plain); it prepares meanwhile
             from forgetrain.forge.plain import PlainCheck
@@ -93,7 +93,7 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
         if plain is not None and not problems and not res.get("gates_changed"):
             problems, plain_rec = plain.run(installed)
     except (RuntimeError, OSError, ConfigError) as e:  # the user's run could not be composed or judged: no seal
-        res, problems = locals().get("res") or {}, [(6, f"the installed engine's user run could not be judged: {e}")]
+        problems = [(6, f"the installed engine's user run could not be judged: {e}")]
     finally:
         if plain is not None:
             plain.close()
