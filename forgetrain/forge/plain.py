@@ -156,8 +156,8 @@ class PlainCheck:
     that the judge's side prepares (imports, the window, the reference's init) while that runs; :meth:`run` then
     runs the installed engine as a user's process and judges it; :meth:`close` ends the judge's side and removes the
     user's project dir. ``passed``: the ladder result that met the target; ``name``: the installed package's
-    name; a curve or speed tier is not re-run
-    this way (``skipped`` says so)."""
+    name; a curve or speed tier is not re-run this way (``skipped`` says so). Raises ConfigError when the judged
+    run cannot be written as a user's command line."""
 
     def __init__(self, run, rdir: Path, passed: dict, name: str):
         import forgetrain.verify as fv
