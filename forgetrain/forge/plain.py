@@ -75,17 +75,29 @@ def _leaves(d: dict, prefix: str = "") -> dict[str, object]:
 
 
 def _composed(overrides: list[str]):
-    """The RunConfig ``python -m forgetrain`` composes from ``overrides``."""
+    """The RunConfig ``python -m forgetrain`` composes from ``overrides``. Hydra's global state (set where the forge
+    runs under ``python -m forgetrain.forge``) is put back as it was."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from forgetrain.cli import CONF_DIR
     from forgetrain.config import register_configs, to_run_config
 
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return to_run_config(OmegaConf.to_container(cfg, resolve=True))
+    gh, hc = GlobalHydra.instance(), HydraConfig.instance()
+    saved, saved_cfg = (gh.hydra if gh.is_initialized() else None), hc.cfg
+    gh.clear()
+    try:
+        register_configs()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        return to_run_config(OmegaConf.to_container(cfg, resolve=True))
+    finally:  # Hydra's context may have swapped its singletons for copies: the current ones get the state back
+        GlobalHydra.instance().clear()
+        if saved is not None:
+            GlobalHydra.instance().initialize(saved)
+        HydraConfig.instance().cfg = saved_cfg
 
 
 def user_overrides(rc, engine: str) -> list[str]:
