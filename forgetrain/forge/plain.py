@@ -111,10 +111,9 @@ def user_overrides(rc, engine: str) -> list[str]:
     from forgetrain.cli import CONF_DIR
 
     base = [f"scenario={rc.scenario.name}", f"scenario.engine={_value(engine)}"]
-    composed = _composed(base)
-    if composed.model.name != rc.model.name and (Path(CONF_DIR) / "model" / f"{rc.model.name}.yaml").is_file():
+    if (Path(CONF_DIR) / "model" / f"{rc.model.name}.yaml").is_file():
         base.append(f"model={rc.model.name}")  # a preset is chosen as a group, as a user chooses it
-        composed = _composed(base)
+    composed = _composed(base)
     want = _leaves({k: v for k, v in dataclasses.asdict(rc).items() if k != "scenario"})
     out, keys = list(base), []
     for _ in range(3):  # a setting resolved from others (lr_warmup_steps from steps) may differ only once they are set
@@ -196,7 +195,6 @@ class PlainCheck:
         user = fv._run_cfg(to_run_config(jspec["run_config"]), Path("."), steps=int(drawn["steps"]), digests=True)
         user.train = dataclasses.replace(user.train, out_dir=None, init_weights=str(root / "init.safetensors"))
         user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
-        self.overrides = user_overrides(user, f"scenarios.{self.name}.{wsmod.workspace_entry(run.ws)}")
         (d / "spec.json").write_text(json.dumps(jspec))
         self.log = open(d / "judge.log", "wb")
         self.judge = procs.start_group(
@@ -204,6 +202,11 @@ class PlainCheck:
              str(d / "init.safetensors"), "--out", str(d), "--want-hash", config_hash(user)], cwd=d,
             env=sandbox.sandbox_env(run.pycache, writable=True), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log)
+        try:
+            self.overrides = user_overrides(user, f"scenarios.{self.name}.{wsmod.workspace_entry(run.ws)}")
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, installed: dict[str, str]) -> tuple[list, dict]:
         """Install the engine (its re-checked files hash as ``installed``) into the user's project dir, run it and
