@@ -13,12 +13,14 @@ This module is the entry and the order of the phases; the pieces are in :mod:`fo
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from forgetrain.config import RunConfig, validate
 from forgetrain.distributed import DistEnv, init_distributed
+from forgetrain.errors import ConfigError
 from forgetrain.run.identity import config_changes, config_hash, engine_settings, hashed_config, versions
 from forgetrain.run.loop import clipped_grads, run_loop
 from forgetrain.run.outdir import check_disk, lock_out_dir, missing_dirs, out_dir, record_config, unlock_out_dir
@@ -35,10 +37,12 @@ log = logging.getLogger("forgetrain")
 
 
 def train(cfg: RunConfig, *, record=None, **kw) -> Path:
-    """Train ``cfg.scenario.name`` holding the output directory's lock; see :func:`_train` for the arguments, the
-    outputs and the errors. A second run on a directory in use raises ConfigError. ``record``: the composed Hydra
-    config, written to ``<out>/.hydra/config.yaml`` (``config.resume.yaml`` on a resume) once the run owns
-    ``out``, so a rejected run writes nothing and a refused second run leaves the first run's record alone."""
+    """Train ``cfg.scenario.name`` holding the output directory's lock, from ``train.init_weights`` where it is set
+    (and no ``init_hf`` is given); see :func:`_train` for the arguments, the outputs and the errors. A second run
+    on a directory in use, or an ``init_weights`` file that is not safetensors, raises ConfigError. ``record``: the
+    composed Hydra config, written to ``<out>/.hydra/config.yaml`` (``config.resume.yaml`` on a resume) once the
+    run owns ``out``, so a rejected run writes nothing and a refused second run leaves the first run's record
+    alone."""
     env: DistEnv = init_distributed(cfg.parallel)
     ref = kw.get("kind", "scenarios") != "scenarios"
     validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)
@@ -49,6 +53,14 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     try:
         if cfg.train.resume:  # after the lock (a live run's directory is refused as in use), before the data and
             check_resumable(out / "checkpoints")  # the engine are prepared: nothing to resume fails fast
+        if cfg.train.init_weights and kw.get("init_hf") is None and not cfg.train.resume:
+            from safetensors.torch import load_file
+
+            try:  # the weights the run starts from
+                kw["init_hf"] = load_file(os.path.expanduser(cfg.train.init_weights))
+            except Exception as e:  # noqa: BLE001 - an unreadable file is bad input
+                raise ConfigError(f"train.init_weights={cfg.train.init_weights} cannot be read as safetensors "
+                                  f"({type(e).__name__}: {e})") from None
         return _train(cfg, env, out, record=record, **kw)
     finally:
         if lock is not None:

@@ -75,7 +75,7 @@ LAZY_CYCLES = {
     frozenset({"forgetrain.data.tokenizer", "forgetrain.data.tokenizer_hf", "forgetrain.data.tokenizer_sp"}),
     # forge rework
     frozenset({"forgetrain.forge", "forgetrain.forge._ladder", "forgetrain.forge.kernel", "forgetrain.forge.loop",
-               "forgetrain.forge.procs", "forgetrain.forge.seal"}),
+               "forgetrain.forge.plain", "forgetrain.forge.procs", "forgetrain.forge.seal"}),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from forgetrain.config.schema import SEED_MAX, DataConfig, RunConfig
 from forgetrain.errors import ConfigError
@@ -124,6 +125,8 @@ def _check_model_and_train(cfg: RunConfig) -> None:
         raise ConfigError(f"train.threads must be positive or null (torch's default), got {t.threads}")
     if t.stop_after is not None and not (0 < t.stop_after <= t.steps):
         raise ConfigError(f"train.stop_after must lie in [1, train.steps={t.steps}] or be null, got {t.stop_after}")
+    if t.init_weights is not None and not os.path.isfile(os.path.expanduser(t.init_weights)):
+        raise ConfigError(f"train.init_weights={t.init_weights} is not a file (an HF-layout safetensors file)")
     if t.stop_after is not None and not t.save:
         raise ConfigError("train.stop_after checkpoints the run to be resumed: it needs train.save=true")
 

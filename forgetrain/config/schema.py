@@ -83,6 +83,9 @@ class TrainConfig:
     skip_memory_check: bool = False
     final_params: bool = True  # export the final weights (fp32, HF layout) to trace/final.safetensors
     skip_disk_check: bool = False  # run even when forgetrain.disk's estimate of the outputs exceeds the free disk
+    # start from these weights (an HF-layout safetensors file, e.g. another engine's exported init) instead of the
+    # engine's own init; train.seed still sets the data order. null: the engine's own init from train.seed
+    init_weights: Optional[str] = None
 
     def __post_init__(self):
         if self.lr_warmup_steps is None and isinstance(self.steps, int):

@@ -185,6 +185,7 @@ class _Run:
         self.spec_path = self.out / "ladder_spec.json"
         self.pycache = self.out / "pycache"  # the run's private bytecode cache (forgetrain.forge.sandbox)
         self.ladder_fn = ladder_fn  # None: the subprocess ladder, once the run dir is locked (run)
+        self.plain_check = ladder_fn is None  # the seal's user run is judged by real gates only (not a stub's)
         self.gate_paths = [Path(p) for p in (gate_paths if gate_paths is not None else sandbox.gate_paths())]
         self.import_roots = [Path(p) for p in (import_roots if import_roots is not None else
                                                sandbox.import_roots() if gate_paths is None else [])]

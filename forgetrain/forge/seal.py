@@ -8,9 +8,10 @@ run (``forgetrain.forge._candidate``), and before a target reached is accepted, 
 engine where it will live (``forge.install``, else ``<out>/installed/<name>``), with the same checks as
 ``python -m forgetrain.forge.install``, and runs the same gate again, in fresh processes, on the installed copy:
 its own files, its own path, imported as a user's config names it (with the secret values of the run it
-re-checks where the operating system isolated that run, fresh ones otherwise). Only an
-engine whose installed copy passes is sealed (:func:`seal`); otherwise the round is rejected naming class 6,
-and a previous engine at the destination is put back.
+re-checks where the operating system isolated that run, fresh ones otherwise), and then once more as a plain
+user's process with fresh values and no sandbox (:class:`forgetrain.forge.plain.PlainCheck`). Only an engine
+whose installed copy passes both is sealed (:func:`seal`); otherwise the round is rejected naming class 6, and a
+previous engine at the destination is put back.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
     """Install the workspace's engine at :func:`destination` and run the gate on the installed copy (a ladder run
     of ``run.ladder_fn`` whose spec names it as the ``candidate``). ``passed``: the ladder result that met the
     target; where its candidate was isolated by the operating system, the re-check reuses its drawn values, goldens
-    and window (``spec["reuse"]``), which that candidate never saw. Returns the problems, as (escape class, what):
-    empty when the installed copy meets the target. On a failure the destination gets back what it held."""
+    and window (``spec["reuse"]``), which that candidate never saw. When it passes, the same copy runs as a
+    user's plain process (:class:`forgetrain.forge.plain.PlainCheck`). Returns the problems, as (escape class,
+    what): empty when the installed copy meets the target both ways. On a failure the destination gets back what
+    it held."""
     from forgetrain.forge.install import install
 
     dest = destination(run)
@@ -74,13 +77,26 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
         spec.update(drawn=gate["drawn"], reuse={"golden": str(src / "golden"), "data": str(src / "_data")})
     spec_path = rdir / "reverify_spec.json"
     atomic_write_json(spec_path, spec)
-    res = run.ladder(k, rdir, spec_path=spec_path, name="reverify")
-    problems = _problems(res, dest)
-    after = _engine_hashes(dest)
-    if after != installed and not problems:
-        bad = sorted(f for f in set(after) | set(installed) if after.get(f) != installed.get(f))
-        problems = [(3, f"the installed copy at {dest} changed while it was judged ({len(bad)} file(s), first "
-                        f"{bad[0]})")]
+    plain, plain_rec, res = None, None, {}
+    try:
+        if getattr(run, "plain_check", True):  # then as a user runs it (forgetrain.forge.plain); it prepares meanwhile
+            from forgetrain.forge.plain import PlainCheck
+
+            plain = PlainCheck(run, rdir, passed or {}, dest.name)
+        res = run.ladder(k, rdir, spec_path=spec_path, name="reverify")
+        problems = _problems(res, dest)
+        after = _engine_hashes(dest)
+        if after != installed and not problems:
+            bad = sorted(f for f in set(after) | set(installed) if after.get(f) != installed.get(f))
+            problems = [(3, f"the installed copy at {dest} changed while it was judged ({len(bad)} file(s), first "
+                            f"{bad[0]})")]
+        if plain is not None and not problems and not res.get("gates_changed"):
+            problems, plain_rec = plain.run(installed)
+    except (RuntimeError, OSError, ConfigError) as e:  # the user's run could not be composed or judged: no seal
+        problems = [(6, f"the installed engine's user run could not be judged: {e}")]
+    finally:
+        if plain is not None:
+            plain.close()
     if res.get("gates_changed"):
         run.state["status"] = "aborted: gates changed"
     if problems:
@@ -89,7 +105,7 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
             shutil.copytree(backup, dest, symlinks=True)
     shutil.rmtree(backup, ignore_errors=True)
     run.state["reverify"] = {"round": k, "dest": str(dest), "passed": not problems, "gate": res.get("gate"),
-                             "files": installed}
+                             "files": installed, "plain": plain_rec}
     return problems
 
 

@@ -45,6 +45,8 @@ def hashed_config(cfg: RunConfig) -> dict:
               "sample_tokens", "sample_prompt", "threads", "eval_iters", "skip_memory_check",
               "final_params", "skip_disk_check"):
         t.pop(k, None)
+    if t.get("init_weights") is None:  # the engine's own init: hashed as before the setting existed
+        t.pop("init_weights", None)
     p = dataclasses.asdict(cfg.parallel)
     for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute
         p.pop(k, None)
