@@ -123,7 +123,8 @@ def test_each_gate_run_draws_its_own_values(seal_run):
 def test_the_seal_s_user_run_is_a_plain_process_that_no_golden_precedes(seal_run):
     """The honest round's installed copy ran as a user's run: ``python -m forgetrain`` through ``sh -c`` in a
     project dir of its own, with freshly drawn values (not the round's), judged bitwise against a golden that did
-    not exist while it ran; the class-6 rounds 6 and 7 passed the gated re-check and failed only this run."""
+    not exist while it ran; the class-6 rounds (parent- and flag-keyed) passed the gated re-check and failed only
+    this run."""
     out, log = seal_run["out"], seal_run["log"]
     seal = json.loads((out / "sealed" / "seal.json").read_text())
     plain = seal["installed_check"]["plain"]
@@ -132,7 +133,9 @@ def test_the_seal_s_user_run_is_a_plain_process_that_no_golden_precedes(seal_run
     assert "forgetrain.forge" not in plain["command"] and "FORGE" not in plain["command"]
     assert plain["drawn"]["seed"] != seal["gates"]["drawn"]["drawn"]["seed"]
     assert [v["tier"] for v in plain["verdicts"]] == ["bitwise"] and plain["verdicts"][0]["passed"]
-    for i in (5, 6):  # the parent- and flag-keyed engines: their gated runs passed, their user runs did not
+    names = [r[0] for r in ROUNDS]
+    for i in (names.index("escape_judged_parent"), names.index("escape_judged_flags")):  # their gated runs passed,
+        # their user runs did not
         rec = log[i]
         assert rec["strictest_passed"] == "bitwise" and "the installed engine failed it" in rec["ladder"], rec
         assert any("first divergence" in p or "bitwise" in p for p in rec["guard_problems"]), rec["guard_problems"]
@@ -325,6 +328,43 @@ print(json.dumps(out))
 """
 
 
+_CHECKOUT = r"""
+import json, os, sys
+co = sys.argv[1]
+seen = {}
+for rel in ("repo.py", "venv/python", "secret/golden.bin", "secret/engine/e.py", "stray.bin"):
+    seen[rel] = os.path.exists(os.path.join(os.path.dirname(co), rel) if rel == "stray.bin" else os.path.join(co, rel))
+print(json.dumps(seen))
+"""
+
+
+def test_isolation_keeps_a_checkout_under_the_scratch_cover(tmp_path):
+    """A checkout (or its venv) under ``/tmp`` stays where the candidate needs it when ``/tmp`` is covered: the plan's
+    ``base`` paths come back read-only, the judge's paths inside them are covered again, the engine bound back
+    inside those, and anything else in ``/tmp`` stays gone."""
+    ok, why = isolate.available()
+    if not ok:
+        pytest.skip(f"no OS isolation here ({why}); the in-process guard alone holds (docs/forge.md)")
+    top = Path(tempfile.mkdtemp(prefix="forge-checkout-", dir="/tmp"))
+    co = top / "co"
+    try:
+        for rel, text in (("repo.py", "x"), ("venv/python", "x"), ("secret/golden.bin", "g"),
+                          ("secret/engine/e.py", "e")):
+            (co / rel).parent.mkdir(parents=True, exist_ok=True)
+            (co / rel).write_text(text)
+        (top / "stray.bin").write_text("relay")
+        plan = {"hide": [str(co / "secret")], "ro": [str(co / "secret" / "engine")], "rw": [str(tmp_path)],
+                "scratch": ["/tmp"], "base": [str(co), str(co / "venv"), *isolate.runtime_paths(str(ROOT))]}
+        p = subprocess.run(isolate.wrap([sys.executable, "-c", _CHECKOUT, str(co)], plan), capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        assert got == {"repo.py": True, "venv/python": True, "secret/golden.bin": False, "secret/engine/e.py": True,
+                       "stray.bin": False}, got
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_isolation_covers_the_scratch_places_with_empty_writable_tmpfs(tmp_path):
     """B1's second half: what another process puts in ``/tmp`` or ``/dev/shm`` while the candidate runs (a relayed
     golden) is not there for it; it still gets writable, private scratch dirs, gone with it."""
@@ -338,7 +378,8 @@ def test_isolation_covers_the_scratch_places_with_empty_writable_tmpfs(tmp_path)
     try:
         relay.write_bytes(b"golden")
         shm.write_bytes(b"golden")
-        plan = {"hide": [], "ro": [], "rw": [str(own)], "scratch": ["/tmp", "/var/tmp", "/dev/shm"]}
+        plan = {"hide": [], "ro": [], "rw": [str(own)], "scratch": ["/tmp", "/var/tmp", "/dev/shm"],
+                "base": isolate.runtime_paths(str(ROOT))}
         p = subprocess.run(isolate.wrap([sys.executable, "-c", _SCRATCH, str(relay), str(own), str(mark)], plan),
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-2000:]

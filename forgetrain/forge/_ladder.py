@@ -168,14 +168,16 @@ class _Sides:
         """What the candidate's process sees (:mod:`forgetrain.forge.isolate`): none of the judge's files, the
         reference frameworks, the workspace (but its engine) or the shared caches; writable only ``d`` and its own
         empty scratch dirs (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``$TMPDIR``), which no other process can fill."""
-        from forgetrain.forge.runtime_guard import forbidden_package_dirs
+        from forgetrain.forge import isolate
+        from forgetrain.forge.runtime_guard import REPO_ROOT, forbidden_package_dirs
 
         hide = [str(self.out), str(self.golden_root), str(self.cache), str(self.ws), *self.shared,
                 *(x for x, _ in forbidden_package_dirs(self.ws)), *self.hide]
         ro = [self.cand["dir"], str(view), str(self.data_dir)] + ([str(init.parent)] if init is not None else []) \
             + ([str(init_dir)] if init_dir is not None else [])
         scratch = ["/tmp", "/var/tmp", "/dev/shm"] + [x for x in [os.environ.get("TMPDIR")] if x]
-        return {"hide": hide, "ro": ro, "rw": [str(d)], "scratch": scratch}
+        return {"hide": hide, "ro": ro, "rw": [str(d)], "scratch": scratch,
+                "base": isolate.runtime_paths(str(REPO_ROOT))}
 
     def candidate(self, tier: str, d: Path, init: Path | None, go: Callable[[], dict],
                   init_dir: Path | None = None) -> dict | None:

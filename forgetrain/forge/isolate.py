@@ -13,8 +13,10 @@ then, before ``execve(CMD)``:
    while the candidate runs) with an empty tmpfs of its own, writable and gone with the namespace, and each
    ``hide`` path with an empty, read-only tmpfs: the goldens, the ladder run's dir, the reference frameworks'
    packages, ``references/``, the shared caches, the harness's bytecode cache, the forge run's dir;
-4. binds the ``ro`` and ``rw`` paths that lie inside a covered one back in place (from descriptors opened
-   before);
+4. binds back in place, read-only, each ``base`` path that lies inside a covered scratch path (what the process
+   needs to run: the repository, the interpreter's prefixes, when a checkout lives under ``/tmp``), then the
+   ``hide`` paths inside it are covered again, and last the ``ro`` and ``rw`` paths that lie inside a covered one
+   are bound back in place (all from descriptors opened before step 1);
 5. enters a second user namespace, so that every mount above is locked: the candidate, whatever its
    capabilities inside, can neither unmount a cover nor remount a read-only mount writable. ``/proc/<pid>/root``
    of the processes outside is refused to it too (another user namespace).
@@ -89,39 +91,44 @@ def _under(path: str, root: str) -> bool:
 
 
 def enter(plan: dict) -> None:
-    """Steps 1-5 of the module docstring in this process, for ``plan`` (``scratch``, ``hide``, ``ro``, ``rw``:
-    lists of absolute paths; missing ``scratch`` and ``hide`` paths are skipped, ``ro``/``rw`` paths must exist).
-    Raises OSError when a step fails (the caller must then not run the candidate)."""
+    """Steps 1-5 of the module docstring in this process, for ``plan`` (``scratch``, ``base``, ``hide``, ``ro``,
+    ``rw``: lists of absolute paths; missing ``scratch``, ``base`` and ``hide`` paths are skipped, ``ro``/``rw``
+    paths must exist). Raises OSError when a step fails (the caller must then not run the candidate)."""
     libc = _libc()
-    scratch = sorted({os.path.realpath(p) for p in plan.get("scratch", []) if os.path.isdir(p)})
-    scratch = [x for x in scratch if not any(_under(x, o) and x != o for o in scratch)]
-    hide = sorted({os.path.realpath(p) for p in plan.get("hide", []) if os.path.isdir(p)})
-    hide = [h for h in hide if not any(_under(h, o) and h != o for o in hide + scratch)]  # the outermost suffice
+    scratch = _outermost({os.path.realpath(p) for p in plan.get("scratch", []) if os.path.isdir(p)})
+    base = _outermost({os.path.realpath(p) for p in plan.get("base", []) if os.path.isdir(p)})
+    base = [b for b in base if any(_under(b, x) for x in scratch)]  # only what a scratch cover would take away
+    hide = _outermost({os.path.realpath(p) for p in plan.get("hide", []) if os.path.isdir(p)})
+    # a hide under a scratch cover is gone with it, unless a base path brings it back
+    hide = [h for h in hide if not any(_under(h, x) for x in scratch) or any(_under(h, b) for b in base)]
     rw = sorted({os.path.realpath(p) for p in plan.get("rw", [])})
     ro = sorted({os.path.realpath(p) for p in plan.get("ro", [])} - set(rw))
     _enter_userns(libc)
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     for p in rw:
         _mount(libc, p, p, None, MS_BIND | MS_REC)
-    fds = {p: os.open(p, os.O_PATH) for p in rw + ro}  # before the covers: they keep reaching the real files
+    fds = {p: os.open(p, os.O_PATH) for p in rw + ro + base}  # before the covers: they keep reaching the real files
     for mp in _mount_points():
         if mp not in rw and os.path.exists(mp):
             _remount_ro(libc, mp)
     for x in scratch:  # empty and writable: nothing another process put there is visible
         _mount(libc, "tmpfs", x, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for b in base:  # what the process needs to run, back in place and read-only
+        _bind_back(libc, fds[b], b)
+        _remount_ro(libc, b)
     for h in hide:
         _mount(libc, "tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+
+    def covered(p):
+        return any(_under(p, h) for h in hide) or (any(_under(p, x) for x in scratch)
+                                                   and not any(_under(p, b) for b in base))
+
     for p in rw + ro:
-        if not any(_under(p, h) for h in hide + scratch):
+        if not covered(p):
             if p in ro:
                 continue  # already visible, and read-only like everything else
         else:
-            if os.path.isdir(f"/proc/self/fd/{fds[p]}"):
-                os.makedirs(p, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(p), exist_ok=True)
-                open(p, "w").close()
-            _mount(libc, f"/proc/self/fd/{fds[p]}", p, None, MS_BIND | MS_REC)
+            _bind_back(libc, fds[p], p)
         if p in ro:
             _remount_ro(libc, p)
     for h in hide:
@@ -129,6 +136,32 @@ def enter(plan: dict) -> None:
     for fd in fds.values():
         os.close(fd)
     _enter_userns(libc)  # the mounts above are now locked for whatever runs next
+
+
+def runtime_paths(repo: str) -> list:
+    """What a process of this interpreter needs to run from the repository ``repo``: the repository, the
+    interpreter's prefixes and executable's dir, and this process's ``sys.path`` entries; a plan's ``base``, kept in
+    place where a scratch cover would take it (a checkout or virtual environment under ``/tmp``)."""
+    paths = [repo, sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             *sys.path[1:]]
+    return [p for p in paths if p]
+
+
+def _outermost(paths) -> list:
+    """``paths`` without those that lie inside another of them, sorted."""
+    paths = sorted(paths)
+    return [p for p in paths if not any(_under(p, o) and p != o for o in paths)]
+
+
+def _bind_back(libc, fd: int, p: str) -> None:
+    """Bind what descriptor ``fd`` (opened on ``p`` before the covers) reaches back at ``p``, making the mount point
+    (a dir, or an empty file) under whatever now covers it."""
+    if os.path.isdir(f"/proc/self/fd/{fd}"):
+        os.makedirs(p, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        open(p, "w").close()
+    _mount(libc, f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
 
 
 def _probe() -> tuple[bool, str]:
