@@ -102,8 +102,8 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path
     new.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
     name = dest.name
-    print(f"installed {seal.get('scenario')} engine ({seal.get('tier')}, source {got[:12]}) -> {dest}",
-          file=sys.stderr)
+    tier = seal.get("tier") or "not yet sealed: the copy its re-check judges"
+    print(f"installed {seal.get('scenario')} engine ({tier}, source {got[:12]}) -> {dest}", file=sys.stderr)
     if dest.parent == REPO_ROOT / "scenarios" and not (REPO_ROOT / "conf" / "scenario" / f"{name}.yaml").exists():
         print(f"note: add conf/scenario/{name}.yaml (scenario.name: {name}, scenario.engine: "
               f"\"scenarios.{name}.engine:Engine\") so that scenario={name} composes", file=sys.stderr)
