@@ -9,7 +9,8 @@ recompute, optimizer offload, the kernel switches it honours) and its engine-spe
 The harness reads the tables and nothing else about a lever: the ``engine.*`` config group is the union of every
 forged engine's levers (:func:`options_class`, via :func:`forgetrain.registry.lever_specs`), each value is checked
 against its lever (:func:`value_error`), the rules of each table run in ``forgetrain.config.validate``, and the mode
-presets are derived from the table (:func:`preset`). A leaf module: it imports no other ForgeTrain module.
+presets are derived from the table (:func:`preset`). It imports no other ForgeTrain module but the tier registry
+(a leaf), and that only when a lever is made.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from typing import Any, Callable, Optional
 # (``torch._inductor.config``; :func:`forgetrain.config.inductor_options`)
 COMPILE_TUNINGS = {"none": {}, "coordinate_descent": {"coordinate_descent_tuning": True}}
 KEEP = "keep"  # a preset value: the lever stays as the scenario sets it (memory layout, fast-only knobs exact ignores)
-TIERS = ("bitwise", "tolerance", "loss_curve")  # the tiers a lever may declare (forgetrain/equivalence/registry.py)
 PRESETS = ("exact", "fast_base")  # the mode presets, ``mode=<name>`` (forgetrain.config.schema.mode_presets)
+
+
+def declarable_tiers() -> tuple:
+    """The tiers a lever may declare: the registry's equivalence tiers, strictest first
+    (``forgetrain.equivalence.registry.EQUIVALENCE_TIERS``; a speed tier is no numerics claim)."""
+    from forgetrain.equivalence.registry import EQUIVALENCE_TIERS  # a leaf module: no import cycle
+
+    return tuple(EQUIVALENCE_TIERS)
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,7 @@ class Lever:
     ``Optional[int]``); an override of another type is refused by OmegaConf before validation. ``values``: the
     allowed values, or None when ``rule`` checks the value itself. ``exact`` / ``fast_base``: the value under
     ``mode=exact`` / ``mode=fast_base``, or :data:`KEEP`. ``tier``: the weakest tier the lever declares it may be
-    judged at (:data:`TIERS`; its evidence lives in the engine's ``optimisations.yaml``). ``needs``: what it needs
+    judged at (:func:`declarable_tiers`; its evidence lives in the engine's ``optimisations.yaml``). ``needs``: what it needs
     (other levers, kernel switches, precision, layout), for people; ``rule(cfg, reference) -> str | None`` enforces
     it: the message of the one-line refusal, or None (``reference``: a reference engine runs the config).
     ``doc``: one line."""
@@ -50,8 +58,8 @@ class Lever:
     rule: Optional[Callable[[Any, bool], Optional[str]]] = None
 
     def __post_init__(self):
-        if self.tier not in TIERS:
-            raise ValueError(f"lever {self.name}: tier must be one of {'|'.join(TIERS)}, got {self.tier!r}")
+        if self.tier not in (tiers := declarable_tiers()):
+            raise ValueError(f"lever {self.name}: tier must be one of {'|'.join(tiers)}, got {self.tier!r}")
         if self.values is not None and self.default not in self.values:
             raise ValueError(f"lever {self.name}: default {self.default!r} is not one of {self.values}")
 
