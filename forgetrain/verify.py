@@ -301,7 +301,8 @@ def first_step_problem(cfg: RunConfig, vcfg: VerifyConfig, seed: int, state: dic
     """Does the reference init ``state`` (HF layout, rebuilt from ``seed`` on this device) start the golden trace
     ``trace``? The reference runs its step 1 from it on the seed's first batch (the golden's run config, one step)
     and its loss (nats) and grad norm are compared with the trace's step 1, a function of the init
-    and that batch alone (the update comes after the norm is taken): ``tol["loss_abs"]`` nats and
+    and that batch alone (the update comes after the norm is taken). It runs at micro-batch 1 whatever the golden's
+    (the same global batch, split into more micro-batches: only the rounding differs, far inside the tolerances): ``tol["loss_abs"]`` nats and
     ``tol["grad_norm_rel"]`` of the norm (``conf/tier/loss_curve.yaml``, ``pin:``, where the rationale is).
     Returns (a problem or None, how the hash was recorded). Raises ConfigError when ``tol`` lacks either key."""
     import tempfile
@@ -313,8 +314,11 @@ def first_step_problem(cfg: RunConfig, vcfg: VerifyConfig, seed: int, state: dic
         raise ConfigError("conf/tier/loss_curve.yaml pin: needs loss_abs and grad_norm_rel")
     want = read_trace(trace)[1][0]
     with tempfile.TemporaryDirectory(prefix="ft_pin_") as tmp:  # a 1-step run: the batch order is a function of
-        # the step alone (forgetrain/data/loader.py), and _run_cfg keeps the full run's LR schedule
-        run = train(_run_cfg(cfg, Path(tmp), steps=1, digests=False, seed=seed, lr_decay_steps=vcfg.curve_steps),
+        # the step alone (forgetrain/data/loader.py), and _run_cfg keeps the full run's LR schedule. Micro-batch 1:
+        # the same global batch, so the same step-1 loss and gradient up to rounding, at the reference's least
+        # activation memory (the 1B real shape's reference needs more than an H100 holds at micro-batch 2).
+        run = train(_run_cfg(cfg, Path(tmp), steps=1, digests=False, seed=seed, lr_decay_steps=vcfg.curve_steps,
+                             micro_batch_size=1),
                     kind="references", engine_name=vcfg.reference, init_hf=state, progress=False)
         got = read_trace(Path(run) / "trace")[1][0]
     _release_device_memory()
