@@ -318,7 +318,9 @@ def run_hydra(config_name: str, task, argv: list[str] | None = None) -> None:
             _remove_empty_run_dir()
             sys.exit(1)
         finally:
-            _destroy_process_groups()
+            from forgetrain.distributed import destroy_process_group
+
+            destroy_process_group()  # a torchrun group too: an NCCL group left to its destructor stalls the exit
 
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     _main()
@@ -335,18 +337,6 @@ def _out_of_memory_line(e: BaseException) -> str | None:
     first = first.split(" See documentation")[0].split(" If reserved but unallocated")[0].rstrip()
     return (f"error: out of GPU memory ({first}); lower train.micro_batch_size (gradient accumulation keeps the "
             f"global batch), the model size or train.seq_length")
-
-
-def _destroy_process_groups() -> None:
-    """Tear the process groups down before the interpreter exits: an NCCL group left to its destructor at exit
-    can stall the exit until its watchdog times out (seen on the H200: minutes after a finished verify run)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
 
 
 def train_task(cfg) -> None:

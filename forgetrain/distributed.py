@@ -16,6 +16,7 @@ line then says how to get the op and the sizes named.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -198,6 +199,18 @@ def ensure_process_group(parallel_cfg, device: torch.device) -> None:
     store = dist.FileStore(os.path.join(_WORLD1_STORE.name, "store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=parallel_cfg.timeout_s))
+    # Torn down at exit by whoever created it: an NCCL group left to its destructor stalls the interpreter's exit
+    # until its watchdog gives up (seen on an H100: about 2 minutes after a driver that called verify in-process).
+    atexit.register(destroy_process_group)
+
+
+def destroy_process_group() -> None:
+    """Tear the default process group down if one exists (best effort: this runs on the way out)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
 
 
 def set_deterministic(on: bool, device: str) -> None:

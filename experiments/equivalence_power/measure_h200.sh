@@ -21,8 +21,9 @@ case "${SHAPE:?SHAPE=p8|r1b}" in
 esac
 TAG="${SHAPE}_$(echo "${PLANTS:?PLANTS=a,b:N (plants.py; :N its first N seeds)}" | tr ',:' '_-')"
 df -h /tmp | tail -1
-python3 experiments/equivalence_power/run.py --out "$OUT/$TAG" --plants "$PLANTS" --seeds "${SEEDS:-$ALL}" \
-  --budget-s $(( $(left) - 60 )) -- $W verify.init_cache=/tmp/ftinit > "$OUT/$TAG.log" 2>&1  # a cut call keeps its log
+timeout -k 5 $(( $(left) - 25 )) python3 experiments/equivalence_power/run.py --out "$OUT/$TAG" --plants "$PLANTS" --seeds "${SEEDS:-$ALL}" \
+  --budget-s $(( $(left) - 60 )) -- $W verify.init_cache=/tmp/ftinit > "$OUT/$TAG.log" 2>&1  # a cut call keeps its log and
+# its archive below (a driver stalled past its budget is stopped first)
 grep -vE "Warning|warnings.warn|^\s*$" "$OUT/$TAG.log" | tail -40
 cp "$OUT/$TAG/power.json" "$OUT/${TAG}_power.json" 2>/dev/null
 # the traces lie 4 folders down: one archive of every small file (no checkpoints, no weights)
