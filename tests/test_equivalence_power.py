@@ -85,3 +85,33 @@ def test_each_peer_plant_is_valid_at_the_gpu_shapes(monkeypatch):
                                      "tier=loss_curve", "verify.golden=true"])
         for name in P.PEERS:
             validate(P.run_config(name, rc), world_size=1, engine_cls=P.planted(name, None), reference=False)
+
+
+def test_the_bf16_grad_accum_plant_builds_and_rounds_only_the_training_gradients():
+    """The plant rounds main_grad to bf16 after every weight-gradient accumulation, yet its engine builds: the
+    gradient-accumulation path is chosen on the plain op first (the engine's own probe would otherwise see the
+    planted rounding and refuse every path, as it did on the GPU)."""
+    import torch
+
+    from forgetrain.config import to_run_config  # noqa: F401 - the harness loads before the plant patches
+    from scenarios.llama1b_h200 import wgrad
+
+    sys.path.insert(0, str(RUN.parent))
+    try:
+        import plants as P
+    finally:
+        sys.path.remove(str(RUN.parent))
+    orig_gemm, orig_chosen = wgrad.gemm_accumulate, dict(wgrad._CHOSEN)
+    try:
+        wgrad._CHOSEN.clear()
+        planted = P.planted("bf16_grad_accum", type("Base", (), {"__init__": lambda self, cfg, device: None}))
+        planted(None, "cpu")
+        assert wgrad._CHOSEN["cpu"][0] == "fp32_upcast" and getattr(wgrad.gemm_accumulate, "planted", False)
+        mg = torch.zeros(8, 16)
+        dy, x = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
+        wgrad.gemm_accumulate(mg, dy, x, False, 1.0, "fp32_upcast")
+        assert torch.equal(mg, mg.to(torch.bfloat16).float()) and mg.abs().sum() > 0  # rounded to bf16
+    finally:
+        wgrad.gemm_accumulate = orig_gemm
+        wgrad._CHOSEN.clear()
+        wgrad._CHOSEN.update(orig_chosen)

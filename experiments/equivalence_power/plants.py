@@ -83,8 +83,17 @@ def planted(name: str, base):
         _patch_bf16_ce()
         return base
     if name == "bf16_grad_accum":
-        _patch_bf16_grad_accum()
-        return base
+        class RoundedGradAccum(base):
+            def __init__(self, cfg, device):
+                from scenarios.llama1b_h200 import wgrad
+
+                # the GEMM path is chosen on the plain op first (cached per device type): the engine's own probe
+                # would compare the planted rounding with fp64 and refuse every path
+                wgrad.probe_path(torch.device(device))
+                _patch_bf16_grad_accum()
+                super().__init__(cfg, device)
+
+        return RoundedGradAccum
 
     if name == "lr_x0.95":
         class LrScaled(base):
