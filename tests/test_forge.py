@@ -279,9 +279,14 @@ def test_crash_mid_run_then_resume_continues_from_round_2(tmp_path, data_cache):
     assert "layers.0.input_norm" in (out / "rounds" / "2" / "BRIEF.md").read_text()
     assert json.loads((out / "workspace" / "forge_state.json").read_text())["status"] == "sealed"
     assert "=== forge summary" in p.stderr
-    # the run is sealed: resuming again does nothing
+    # the run is sealed, but a state read back is not trusted: resuming judges its engine again and seals it again
     p = _cli(tmp_path, plan, "forge.resume=true")
-    assert p.returncode == 0 and "already sealed" in p.stderr
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "is judged again (round 3, no agent)" in p.stderr
+    log = log_of(out)
+    assert [r["round"] for r in log] == [1, 2, 3] and log[2]["mode"] == "resumed"
+    assert log[2]["strictest_passed"] == "bitwise" and log[2]["agent_rc"] is None
+    assert json.loads((out / "workspace" / "forge_state.json").read_text())["status"] == "sealed"
 
 
 # ---------------------------------------------------------------------------------------------------- modes, config

@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--want-hash", required=True, help="the config hash of the run the user's command describes")
     a = ap.parse_args(argv)
     out = Path(a.out)
+    from forgetrain.forge.procs import no_ptrace
+
+    no_ptrace()  # the user's run, which nothing guards, runs while this process waits: no attaching to it
     try:
         from forgetrain.cli import quiet_libraries
         from forgetrain.trace import atomic_write_json

@@ -5,7 +5,8 @@ checked against ``seal.json`` first, file by file, and against the installed cop
 and the forge run's state (a modified sealed engine is refused: it must be gated again), the import guard and the content check
 (:mod:`forgetrain.forge.content`: no reference framework's code under any name) are run on it, and its
 files are copied beside the destination, hashed again (the installed bytes must be the sealed ones) and swapped
-in, with ``seal.json`` beside them as ``SEAL.json`` (provenance). An existing
+in, with ``SEAL.json`` (:func:`package_seal`: the provenance known before the seal's re-checks, so that every
+judged copy held the same bytes; the whole record stays in ``SEAL_DIR/seal.json``). An existing
 engine at the destination is replaced only with ``--force``. Exit 0 on success, 2 on bad input.
 """
 
@@ -20,6 +21,27 @@ from pathlib import Path
 from forgetrain.errors import ConfigError, one_line_errors
 from forgetrain.forge.workspace import ENGINE_DIR, REPO_ROOT, file_hashes, source_hash
 from forgetrain.guard import scan_tree
+from forgetrain.trace import atomic_write_bytes
+
+
+PACKAGE_SEAL_KEYS = ("scenario", "source_hash", "files", "tier", "target_tier", "record")
+
+
+def package_seal(seal: dict) -> dict:
+    """What ``SEAL.json`` inside an installed engine holds: the keys of :data:`PACKAGE_SEAL_KEYS` of the seal
+    record ``seal`` (``record``: where the whole record, verdicts and re-checks included, lies). Every one of them
+    is known before the seal's re-checks, so the copies they judge hold the same bytes as the final install: an
+    engine that reads its ``SEAL.json`` cannot tell a judged copy from a user's (escape class 6)."""
+    return {k: seal.get(k) for k in PACKAGE_SEAL_KEYS}
+
+
+def _write_package_seal(d: Path, seal: dict) -> None:
+    """``d/SEAL.json`` := :func:`package_seal` of ``seal``, left untouched when it holds those bytes already (the
+    copy the seal's re-checks judged keeps its file as they saw it)."""
+    f = d / "SEAL.json"
+    body = json.dumps(package_seal(seal), indent=1, sort_keys=True) + "\n"
+    if not (f.is_file() and f.read_text() == body):
+        atomic_write_bytes(f, body.encode())
 
 
 def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path) -> dict[str, str]:
@@ -79,7 +101,7 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path
     if (dest / "engine.py").exists():
         current = {k: v for k, v in file_hashes(dest).items() if k != "SEAL.json"}
         if current == want:
-            shutil.copy2(seal_file, dest / "SEAL.json")  # the seal's provenance beside the engine it vouches for
+            _write_package_seal(dest, seal)
             print(f"{dest} already holds this engine ({got[:12]})", file=sys.stderr)
             return dest
         if not force:
@@ -96,13 +118,13 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path
         bad = sorted(k for k in set(want) | set(landed) if want.get(k) != landed.get(k))
         raise ConfigError(f"the copy of {eng} at {dest} does not hash as sealed ({len(bad)} file(s), first "
                           f"{bad[0]}): the engine changed while it was installed; nothing was installed")
-    shutil.copy2(seal_file, new / "SEAL.json")
+    _write_package_seal(new, seal)
     if dest.exists():
         dest.rename(old)
     new.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
     name = dest.name
-    tier = seal.get("tier") or "not yet sealed: the copy its re-check judges"
+    tier = seal.get("tier") if "verdicts" in seal else "not yet sealed: the copy its re-check judges"
     print(f"installed {seal.get('scenario')} engine ({tier}, source {got[:12]}) -> {dest}", file=sys.stderr)
     if dest.parent == REPO_ROOT / "scenarios" and not (REPO_ROOT / "conf" / "scenario" / f"{name}.yaml").exists():
         print(f"note: add conf/scenario/{name}.yaml (scenario.name: {name}, scenario.engine: "

@@ -216,6 +216,14 @@ class _Run:
             self._write_log()  # drop any line of a round that did not complete
             _say(f"[forge] resuming {self.scenario} ({self.opts.mode}) after round {self.state['round']} "
                  f"(status {self.state['status']})")
+            ll = self.state.get("last_ladder")
+            if self.state["status"] == "sealed" or not isinstance(ll, (dict, type(None))) or (ll or {}).get(
+                    "target_met"):
+                # the state lies where the agent can write: a seal or a verdict that met the target, read back, is
+                # never trusted; the engine it names is judged (and re-checked, and sealed) again by this process
+                self.state.update(last_ladder=None, status="running", rejudge=True)
+                _say(f"[forge] the engine of round {self.state['round']} is judged again (round "
+                     f"{self.state['round'] + 1}, no agent): a verdict read back from {self.state_path} is not trusted")
             return
         if self.opts.resume:
             _say(f"[forge] nothing to resume at {self.out}; starting a new run")
@@ -411,21 +419,27 @@ class _Run:
         self.record(rec)
         return goal
 
-    def baseline(self) -> bool | None:
-        k, t0 = 0, time.monotonic()
-        rdir = self.out / "rounds" / "0"
+    def baseline(self, k: int = 0, mode: str = "baseline") -> bool | None:
+        """Judge the engine at ``end_commit`` with no agent: round 0 (``baseline``, the seeded engine), or round
+        ``k`` after a resume (``mode="resumed"``: the engine of the last completed round, whose verdict the state held,
+judged again since that state is not trusted). Returns True when
+        the goal is reached, None when the run must stop (gates changed)."""
+        t0 = time.monotonic()
+        rdir = self.out / "rounds" / str(k)
         shutil.rmtree(rdir, ignore_errors=True)
         rdir.mkdir(parents=True)
         base = self.state["end_commit"]
         wsmod.revert_to(self.ws, base)
-        rec = {"round": 0, "mode": "baseline", "agent_rc": None, "agent_timeout": False, "agent_s": 0.0,
+        sandbox.remove_unscanned(self.ws)
+        rec = {"round": k, "mode": mode, "agent_rc": None, "agent_timeout": False, "agent_s": 0.0,
                "guard": "skipped", "guard_problems": []}
         res, tampered = self._judged(k, rdir, rec, base)
         if tampered:
             self._abort(k, rec, base, tampered, "while the ladder ran", t0)
             return None
         goal = self._finish_round(k, rec, res, res is not None, t0, base)
-        self.state["baseline_done"] = True
+        if k == 0:
+            self.state["baseline_done"] = True
         self._save_state()
         self.progress(rec)
         return goal
@@ -528,17 +542,15 @@ class _Run:
 
             prepare(self.rc.data, progress=False)
         sandbox.fresh_cache(self.pycache)  # empty at every start: nothing written while no harness ran is trusted
-        s = self.state
-        if s["status"] == "sealed":
-            _say(f"[forge] already sealed: {s.get('seal')}")
-            report.summary(self)
-            return s
+        s = self.state  # a sealed run being resumed is "running" again here (prepare: it is judged again)
         if s["status"].startswith("aborted"):
             raise ConfigError(f"this run was {s['status']}; restore the gates and start over with "
                               f"forge.overwrite=true")
         s["status"] = "running"
         goal = False
-        if self.opts.baseline and not s.get("baseline_done") and s["round"] == 0:
+        if s.pop("rejudge", False):  # a round of its own, without an agent: round k's files stay as they were
+            goal = self.baseline(s["round"] + 1, mode="resumed")
+        elif self.opts.baseline and not s.get("baseline_done") and s["round"] == 0:
             goal = self.baseline()
         k = s["round"]
         while goal is False and k < self.opts.max_rounds and not s["status"].startswith("aborted"):

@@ -20,8 +20,11 @@ therefore runs the installed engine once more as a plain user's process, and jud
   applies the trace checks of :mod:`forgetrain.forge.recheck` and the tier's judge.
 
 Around the user's run, which nothing guards, the hashed gate set, the forge's bytecode cache, the judge's files of
-this check and what the judge reads outside the repository are compared (classes 4, 3, 1 and 8), and its process
-group is killed when it ends. A failure is a problem naming class 6.
+this check and what the judge reads outside the repository are compared (classes 4, 3, 1 and 8); its process
+group is killed when it ends, and any process it started that outlived it (re-parented to the forge, its
+subreaper) is killed and rejects it (class 3) before the golden is made. The judge's side is not dumpable (no
+ptrace attach by the user's run; :func:`forgetrain.forge.procs.no_ptrace`). Any other failure is a problem naming
+class 6.
 """
 
 from __future__ import annotations
@@ -246,14 +249,19 @@ def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides
     cmd = shlex.join([python(), "-m", "forgetrain", *overrides])  # the forge's interpreter, as the user's
     judged = [d / "_data", d / "init.safetensors", d / "spec.json"]
     watched, judge_sig = _watch(run), sandbox.stat_signature(judged)
+    procs.become_subreaper()  # what the user's run leaves behind (setsid, a double fork) is re-parented here
+    kids = set(procs.children())
     t0 = time.monotonic()
     with open(d / "run.log", "wb") as log:
         rc, timed_out, _ = procs.run_group(["/bin/sh", "-c", f"{cmd}; exit $?"], cwd=root, env=user_env(),
                                            timeout_s=run.opts.ladder_timeout_s, stdin=subprocess.DEVNULL,
                                            stdout=log, stderr=subprocess.STDOUT)
+    left = procs.kill_leftovers(kids)  # before the golden exists: nothing of the user's run acts after this
     record = {"run": True, "tier": tier, "drawn": drawn, "command": f"sh -c '{cmd}; exit $?'", "cwd": "<project>",
               "rc": rc, "seconds": round(time.monotonic() - t0, 1)}
-    problems = _watch_problems(run, watched, judged, judge_sig)
+    problems = [(3, f"a process the installed engine's user run started outlived it ({x}; killed): it could act "
+                    f"on the golden the judge makes afterwards") for x in left]
+    problems += _watch_problems(run, watched, judged, judge_sig)
     runs = sorted((root / "outputs" / run.scenario).glob("*/trace/trace.jsonl"))
     if problems or rc != 0 or timed_out or not runs:
         judge.stdin.write(b'{"stop": "the user\'s run failed"}\n')

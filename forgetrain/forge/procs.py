@@ -48,6 +48,24 @@ def become_subreaper() -> bool:
     return _SUBREAPER
 
 
+PR_SET_DUMPABLE = 4  # prctl(2): 0 = no ptrace attach, no /proc/<pid>/mem by another process of the same user
+
+
+def no_ptrace() -> bool:
+    """Make this process non-dumpable (Linux ``prctl(PR_SET_DUMPABLE, 0)``): another process of the same user can
+    then neither attach to it with ptrace nor read or write its ``/proc/<pid>/mem``, so code it waits on (the
+    user's run of the seal's plain re-check) cannot rewrite a judge in memory. A process with ``CAP_SYS_PTRACE``
+    (root) still can. Returns whether it took effect (False off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def die_with_parent(parent: int | None, sig: int = signal.SIGTERM) -> bool:
     """Have this process get ``sig`` when its parent exits (Linux ``prctl(PR_SET_PDEATHSIG)``), so that a killed
     forge does not leave its ladder (and the sides the ladder ends on SIGTERM, :func:`kill_active`) running. When

@@ -38,14 +38,21 @@ def destination(run) -> Path:
     return Path(run.opts.install).resolve() if run.opts.install else run.out / "installed" / run.spec["package"]
 
 
-def _stage(run, where: Path) -> Path:
-    """The workspace's engine as a seal dir (``engine/`` + a ``seal.json`` with its source hash), for
-    :func:`forgetrain.forge.install.install`."""
+def _package_fields(run, eng: Path, tier: str | None) -> dict:
+    """The seal record's fields that an installed engine's ``SEAL.json`` holds
+    (:func:`forgetrain.forge.install.package_seal`), for the engine files in ``eng`` sealed at ``tier``."""
+    return {"scenario": run.scenario, "source_hash": wsmod.source_hash(eng), "files": wsmod.file_hashes(eng),
+            "tier": tier, "target_tier": run.opts.target_tier, "record": str(run.out / "sealed" / "seal.json")}
+
+
+def _stage(run, where: Path, tier: str | None) -> Path:
+    """The workspace's engine as a seal dir for :func:`forgetrain.forge.install.install`: ``engine/`` and a
+    ``seal.json`` of the fields the final seal will give its ``SEAL.json`` (:func:`_package_fields`, ``tier`` the
+    one the re-checks judge), so that the judged copies and the final install hold the same ``SEAL.json``."""
     shutil.rmtree(where, ignore_errors=True)
     shutil.copytree(run.ws / wsmod.ENGINE_DIR, where / wsmod.ENGINE_DIR,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    atomic_write_json(where / "seal.json", {"scenario": run.scenario,
-                                            "source_hash": wsmod.source_hash(where / wsmod.ENGINE_DIR)})
+    atomic_write_json(where / "seal.json", _package_fields(run, where / wsmod.ENGINE_DIR, tier))
     return where
 
 
@@ -65,7 +72,7 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
     if dest.exists():
         shutil.copytree(dest, backup, symlinks=True)
     try:
-        install(_stage(run, run.out / ".seal_stage"), dest, force=True)
+        install(_stage(run, run.out / ".seal_stage", (passed or {}).get("strictest_passed")), dest, force=True)
     except ConfigError as e:
         return [(7 if "class 7" in str(e) else 6, f"the engine cannot be installed: {e}")]
     installed = _engine_hashes(dest)  # the bytes the re-check judges: the seal vouches for these and no others
@@ -164,9 +171,8 @@ def seal(run) -> Path:
                               "declared_tier": declared, "passed_tier": tier, "holds_declared_tier": holds})
     if not optimisations:
         optimisations = [{"name": "engine", "description": "the whole engine", "passed_tier": tier}]
-    seal = {"scenario": run.scenario, "source_hash": wsmod.source_hash(tmp / wsmod.ENGINE_DIR),
-            "files": wsmod.file_hashes(tmp / wsmod.ENGINE_DIR), "tier": tier, "surpassed": surpassed,
-            "target_tier": run.opts.target_tier, "target_mfu_pct": run.opts.target_mfu_pct,
+    seal = {**_package_fields(run, tmp / wsmod.ENGINE_DIR, tier), "surpassed": surpassed,
+            "target_mfu_pct": run.opts.target_mfu_pct,
             "optimisations": optimisations, "metrics": res.get("metrics") or {},
             "device": res.get("device") or {"hardware": run.rc.hardware.name},
             "versions": res.get("versions") or {},
