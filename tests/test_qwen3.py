@@ -221,15 +221,15 @@ def test_a_reference_without_the_features_refuses_them():
 
 def test_forge_brief_names_the_model_features():
     from forgetrain.forge import brief
-    from forgetrain.forge.loop import _features
+    from forgetrain.forge.loop import brief_features
 
     rc = RunConfig(model=QWEN3_MICRO)
-    feats = _features(rc)
+    feats = brief_features(rc)
     assert feats == ["model.qk_layernorm=True", "model.share_embeddings_and_output_weights=True",
                      "model.kv_channels=32"]
     lines = brief._constraints({"agent_timeout_s": 60, "model_features": feats})
     assert any("model_features=" in x and "`model.qk_layernorm=True`" in x for x in lines)
-    assert _features(RunConfig()) == [] and not brief._features({"model_features": []})
+    assert brief_features(RunConfig()) == [] and not brief._features({"model_features": []})
 
 
 # ------------------------------------------------------------------------------------------ DP=2 (gloo), slow

@@ -102,7 +102,7 @@ def _shape(rc: RunConfig, opts: ForgeOptions) -> str:
             f"round, and the judge makes the golden for them: no recorded reference run can match one")
 
 
-def _features(rc: RunConfig) -> list[str]:
+def brief_features(rc: RunConfig) -> list[str]:
     """The model features beyond Llama that ``rc.model`` sets (``model.<name>=<value>``), which the engine must
     implement and declare (:data:`forgetrain.levers.MODEL_FEATURES`; the brief names them)."""
     from forgetrain.levers import EngineSpec, missing_features
@@ -273,7 +273,7 @@ class _Run:
                "max_rounds": o.max_rounds, "target_tier": o.target_tier, "target_mfu_pct": o.target_mfu_pct,
                "tiers": self.spec["tiers"], "reference": o.reference, "gate_command": gate_cmd,
                "shape": _shape(self.rc, o), "agent_timeout_s": self.agent.timeout_s,
-               "model_features": _features(self.rc)}
+               "model_features": brief_features(self.rc)}
         if o.mode == "full":
             ctx["history"] = self.records
             ctx["last_ladder"] = s.get("last_ladder")
