@@ -213,7 +213,8 @@ def check_job(config_name: str, overrides: list[str]) -> str | None:
         obj.pop(extra, None)
     out = obj.get("train", {}).get("out_dir")
     check_out_dir("train.out_dir", out)
-    validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    # the forge's scenario engine is the seed its agent adapts (forgetrain.forge.loop.forge validates it so)
+    validate(to_run_config(obj), world_size=int(os.environ.get("WORLD_SIZE", "1")), template=config_name == "forge")
     return os.path.abspath(out) if out else None
 
 

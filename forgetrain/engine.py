@@ -9,7 +9,8 @@ Neutral layouts
 ---------------
 * Weights and gradients cross the boundary in the **HF-Llama layout** (``model.embed_tokens.weight``,
   ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
-  ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight``, ``lm_head.weight``),
+  ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight``, ``lm_head.weight``; Qwen3's
+  ``model.layers.{i}.self_attn.{q,k}_norm.weight``, and no ``lm_head.weight`` when it is tied: :func:`hf_names`),
   fp32, ``[out_features, in_features]``. q/k rows are in Megatron/Meta order (no HF rotary permutation): both
   engines use rotate-half RoPE on the same head-dim order, so the exchange is a pure re-slicing of QKV/fc1.
 * Module probes use neutral names: ``embedding``, ``layers.{i}.input_norm``, ``layers.{i}.self_attention``,
@@ -30,7 +31,8 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
-HF_NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+HF_NORM_SUFFIXES = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight", "q_norm.weight",
+                    "k_norm.weight")
 
 
 @dataclass
@@ -96,17 +98,26 @@ def forward_names(num_layers: int) -> Iterable[str]:
     yield "output_layer"
 
 
-def hf_param_names(num_layers: int) -> list[str]:
-    """HF-Llama parameter names in forward order."""
+def hf_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool = False) -> list[str]:
+    """HF-Llama parameter names in forward order; ``qk_layernorm``: with HF Qwen3's per-head
+    ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight`` ``[d]`` after ``k_proj``; ``tied`` (shared embedding
+    and LM head): no ``lm_head.weight``, as HF saves a tied model."""
     names = ["model.embed_tokens.weight"]
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                  p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight",
+        names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight"]
+        if qk_layernorm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += [p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight",
                   p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                   p + "mlp.down_proj.weight"]
-    names += ["model.norm.weight", "lm_head.weight"]
+    names += ["model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     return names
+
+
+def hf_names(model_cfg) -> list[str]:
+    """:func:`hf_param_names` of a ModelConfig (its layers, QK-norm and tying)."""
+    return hf_param_names(model_cfg.num_layers, model_cfg.qk_layernorm, model_cfg.share_embeddings_and_output_weights)
 
 
 @contextlib.contextmanager

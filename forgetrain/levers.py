@@ -79,7 +79,8 @@ class EngineSpec:
     ``recompute_num_layers``, ``optimizer_offload``: whether it implements ``engine.recompute=full``, a block of
     recomputed layers, and ``engine.optimizer_offload_fraction > 0``. ``kernel_switches``: the ``kernels.*``
     values it honours, ``engine.mode[/device] -> {switch: values}`` (forgetrain/kernels/switches.py). ``check``:
-    engine-specific rules beyond each lever's own, ``check(cfg, reference) -> None``, raising ConfigError."""
+    engine-specific rules beyond each lever's own, ``check(cfg, reference) -> None``, raising ConfigError.
+    ``model_features``: the names of :data:`MODEL_FEATURES` it implements (a config that sets another is refused)."""
 
     levers: tuple = ()
     modes: Optional[tuple] = None
@@ -88,6 +89,7 @@ class EngineSpec:
     optimizer_offload: bool = False
     kernel_switches: dict = field(default_factory=dict)
     check: Optional[Callable[[Any, bool], None]] = None
+    model_features: tuple = ()  # the ModelConfig features beyond Llama it implements (:data:`MODEL_FEATURES`)
 
     def lever(self, name: str) -> Lever:
         """The lever called ``name``. Raises KeyError naming the known ones."""
@@ -111,7 +113,20 @@ def spec_of(engine_cls) -> EngineSpec:
     return EngineSpec(modes=get("engine_modes", None), recompute=bool(get("supports_recompute", False)),
                       recompute_num_layers=bool(get("supports_recompute_num_layers", False)),
                       optimizer_offload=bool(get("supports_optimizer_offload", False)),
-                      kernel_switches=get("kernel_switches", None) or {})
+                      kernel_switches=get("kernel_switches", None) or {},
+                      model_features=tuple(get("model_features", ())))
+
+
+# ModelConfig fields beyond the Llama decoder, each off at the value given here; an engine implements one only where
+# its spec's ``model_features`` names it (forgetrain.config.checks refuses the rest in one line)
+MODEL_FEATURES = {"qk_layernorm": False, "share_embeddings_and_output_weights": False, "kv_channels": None}
+
+
+def missing_features(model_cfg, spec: EngineSpec) -> list[str]:
+    """The :data:`MODEL_FEATURES` that ``model_cfg`` sets away from their off value and ``spec`` does not
+    implement, as ``"model.<name>=<value>"`` strings (empty: the engine runs this model)."""
+    return [f"model.{k}={getattr(model_cfg, k)}" for k, off in MODEL_FEATURES.items()
+            if getattr(model_cfg, k) != off and k not in spec.model_features]
 
 
 # the harness's own lever: every engine runs some mode, and the presets select it

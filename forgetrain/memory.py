@@ -170,7 +170,8 @@ def estimate(cfg) -> MemoryEstimate:
 
     recompute = getattr(e, "recompute", "none") == "full"
     per_layer = bf16 and getattr(e, "bf16_weights", "resident") == "per_layer"
-    n_layer = (n - 2 * V * h - h) // L  # one decoder layer's parameters (metrics.param_counts' sum, untied head)
+    heads = 1 if m.share_embeddings_and_output_weights else 2  # embedding and LM head: one tensor when tied
+    n_layer = (n - heads * V * h - h) // L  # one decoder layer's parameters (metrics.param_counts' sum)
     rnl = getattr(e, "recompute_num_layers", None)
     recomputed = (L if rnl is None else rnl) if recompute else 0  # the first `recomputed` layers
     # layers holding their activations (and, per-layer, their bf16 working copies) at the loss: the stored ones,

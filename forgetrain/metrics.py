@@ -36,19 +36,24 @@ import torch
 def param_tensor_sizes(model_cfg) -> list[int]:
     """Element counts of a Llama config's parameter tensors, in the Hopper engine's layout: the embedding
     ``[V, h]``; per layer the input norm ``[h]``, the fused QKV ``[(nq + 2*nkv)*d, h]``, the output projection
-    ``[h, nq*d]``, the MLP norm ``[h]``, the fused fc1 ``[2f, h]`` and fc2 ``[h, f]``; the final norm ``[h]``; the
-    untied LM head ``[V, h]``. :func:`param_counts` sums them; the offload's host-memory estimate
-    (``forgetrain.memory``) selects from them."""
+    ``[h, nq*d]``, with ``qk_layernorm`` the query and key norms ``[d]`` each, the MLP norm ``[h]``, the fused fc1
+    ``[2f, h]`` and fc2 ``[h, f]``; the final norm ``[h]``; the LM head ``[V, h]`` unless it is the embedding
+    (``share_embeddings_and_output_weights``: one tensor, counted once). :func:`param_counts` sums them; the
+    offload's host-memory estimate (``forgetrain.memory``) selects from them."""
     m = model_cfg
-    d = m.hidden_size // m.num_attention_heads
+    d = m.head_dim
     h, f = m.hidden_size, m.ffn_hidden_size
-    layer = [h, (m.num_attention_heads + 2 * m.num_query_groups) * d * h, h * m.num_attention_heads * d, h,
+    qk = [d, d] if m.qk_layernorm else []
+    layer = [h, (m.num_attention_heads + 2 * m.num_query_groups) * d * h, h * m.num_attention_heads * d, *qk, h,
              2 * f * h, h * f]
-    return [m.vocab_size * h, *layer * m.num_layers, h, m.vocab_size * h]
+    head = [] if m.share_embeddings_and_output_weights else [m.vocab_size * h]
+    return [m.vocab_size * h, *layer * m.num_layers, h, *head]
 
 
 def param_counts(model_cfg) -> dict[str, int]:
-    """Parameter counts of a Llama config: total, embedding (input), non-embedding (incl. LM head)."""
+    """Parameter counts of a Llama config: total, embedding (input), non-embedding (incl. an untied LM head). A
+    tied LM head is the embedding: counted once, in ``embedding``, so it is not in the MFU's ``6 (N - N_emb)``
+    (as PaLM, whose input and output embeddings are shared, counts them)."""
     total = sum(param_tensor_sizes(model_cfg))
     emb = model_cfg.vocab_size * model_cfg.hidden_size
     return {"total": total, "embedding": emb, "non_embedding": total - emb}

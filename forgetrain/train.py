@@ -45,7 +45,13 @@ def train(cfg: RunConfig, *, record=None, **kw) -> Path:
     alone."""
     env: DistEnv = init_distributed(cfg.parallel)
     ref = kw.get("kind", "scenarios") != "scenarios"
-    validate(cfg, world_size=env.world_size, engine_cls=None if ref else kw.get("engine_cls"), reference=ref)
+    if ref:
+        from forgetrain.registry import load_engine_class
+
+        engine_cls = load_engine_class(kw["kind"], kw.get("engine_name") or "megatron")
+    else:
+        engine_cls = kw.get("engine_cls")
+    validate(cfg, world_size=env.world_size, engine_cls=engine_cls, reference=ref)
     out = Path(env.broadcast_object(str(out_dir(cfg))))  # rank 0's run directory on every rank (torchrun)
     made = missing_dirs(out)  # what the directory lock will create: removed again if the run writes nothing
     check_disk(cfg, out, env, final_params=kw.get("final_params", True))

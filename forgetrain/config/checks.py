@@ -13,13 +13,16 @@ from forgetrain.config.schema import SEED_MAX, DataConfig, RunConfig
 from forgetrain.errors import ConfigError
 
 
-def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bool = False) -> RunConfig:
+def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bool = False,
+             template: bool = False) -> RunConfig:
     """Check the whole config once, before any work. Raises ConfigError with a one-line, actionable message.
 
     ``engine_cls``: the engine that will run (default: the scenario's); its spec's ``kernel_switches`` say which
     ``kernels.*`` switches it honours (:func:`forgetrain.kernels.switches.check`). ``reference``: a reference
     engine runs this config (verify's other side); it ignores ``kernels.*``, so the switches are not checked for
-    it (the candidate's run of the same config checks them)."""
+    it (the candidate's run of the same config checks them), and ``engine_cls``, when given, is that reference.
+    ``template``: ``engine_cls`` (or the scenario's engine) is the forge's seed, which the agent adapts: the model
+    features it does not implement yet are its task (the brief names them), not a refusal."""
     from forgetrain import registry
     from forgetrain.kernels import switches
 
@@ -31,7 +34,11 @@ def validate(cfg: RunConfig, world_size: int = 1, engine_cls=None, reference: bo
     _check_kernel_values(cfg)
     _check_engine_options(cfg, reference)
     _check_logger(cfg)
+    if reference and engine_cls is not None:
+        _check_model_features(cfg, engine_cls)
     engine_cls = engine_cls or registry.resolve_engine(cfg.scenario.engine)
+    if not reference and not template:
+        _check_model_features(cfg, engine_cls)
     _check_engine_implements(cfg, engine_cls, reference)
     from forgetrain import memory
 
@@ -77,9 +84,13 @@ def _check_model_and_train(cfg: RunConfig) -> None:
                  "ffn_hidden_size", "seq_length"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name} must be positive, got {getattr(m, name)}")
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is not None and m.kv_channels <= 0:
+        raise ConfigError(f"model.kv_channels must be positive or null (hidden_size // num_attention_heads), "
+                          f"got {m.kv_channels}")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
-            f"model.num_attention_heads={m.num_attention_heads} does not divide model.hidden_size={m.hidden_size}")
+            f"model.num_attention_heads={m.num_attention_heads} does not divide model.hidden_size={m.hidden_size} "
+            f"(or set model.kv_channels, the head dim)")
     if m.num_attention_heads % m.num_query_groups:
         raise ConfigError(f"model.num_query_groups={m.num_query_groups} does not divide "
                           f"model.num_attention_heads={m.num_attention_heads}")
@@ -244,6 +255,18 @@ def _check_logger(cfg: RunConfig) -> None:
         raise ConfigError(f"logger must be none or wandb, got '{cfg.logger.name}'")
     if cfg.logger.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode must be offline|online|disabled (W&B's modes), got '{cfg.logger.mode}'")
+
+
+def _check_model_features(cfg: RunConfig, engine_cls) -> None:
+    """The model features beyond Llama that ``cfg.model`` sets (:data:`forgetrain.levers.MODEL_FEATURES`) are ones
+    the engine's spec declares it implements; an engine that lacks one would run another model."""
+    from forgetrain.levers import missing_features, spec_of
+
+    missing = missing_features(cfg.model, spec_of(engine_cls))
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} is not implemented by engine {engine_cls.__module__}:"
+                          f"{engine_cls.__qualname__} (model {cfg.model.name}); choose an engine that implements it "
+                          f"(the Qwen3 scenarios: conf/scenario/qwen3_*.yaml)")
 
 
 def _check_engine_implements(cfg: RunConfig, engine_cls, reference: bool) -> None:

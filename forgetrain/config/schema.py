@@ -22,7 +22,11 @@ from forgetrain.errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    """A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU, untied embeddings, no biases)."""
+    """A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU, no biases); untied embeddings by default. The
+    Qwen3 dense family is the same decoder with ``qk_layernorm``, ``share_embeddings_and_output_weights`` and an
+    explicit ``kv_channels`` (``conf/model/qwen3_*.yaml``). An engine runs these three only where its spec declares
+    them (``EngineSpec.model_features``); their defaults leave :func:`forgetrain.run.identity.config_hash` of every
+    Llama config unchanged."""
 
     name: str = "llama_tiny"
     vocab_size: int = 4096  # tokens; the data tokenizer's vocabulary must not exceed it
@@ -35,10 +39,19 @@ class ModelConfig:
     rotary_base: float = 10000.0  # RoPE theta
     norm_epsilon: float = 1e-5  # RMSNorm epsilon
     init_method_std: float = 0.02  # N(0, std) init for every weight matrix (Megatron's init_method_normal)
+    # Qwen3: RMSNorm (weight [head_dim], eps norm_epsilon) on each query and key head after the QKV projection,
+    # before RoPE (Megatron's qk_layernorm; HF Qwen3's self_attn.q_norm / k_norm)
+    qk_layernorm: bool = False
+    # one [V, h] matrix for the token embedding and the LM head (Megatron's share_embeddings_and_output_weights,
+    # HF's tie_word_embeddings: the HF layout then has no lm_head.weight)
+    share_embeddings_and_output_weights: bool = False
+    # head dim d (Megatron's kv_channels); None: hidden_size // num_attention_heads. Qwen3-0.6B: 128 with h 1024, 16 heads
+    kv_channels: Optional[int] = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Per-head width d: ``kv_channels``, else ``hidden_size // num_attention_heads``."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
 
 SEED_MAX = 2**31 - 1  # numpy's RandomState takes < 2**32; Megatron adds offsets per rank to the seed

@@ -116,7 +116,7 @@ def _ordered(names: Iterable[str], canonical: Callable[[int], Iterable[str]]) ->
 
 
 def _param_order(names: Iterable[str]) -> list[str]:
-    return _ordered(names, hf_param_names)
+    return _ordered(names, lambda n: hf_param_names(n, qk_layernorm=True))
 
 
 def _module_order(names: Iterable[str]) -> list[str]:

@@ -85,7 +85,19 @@ def _constraints(ctx: dict) -> list[str]:
         "- `engine/engine.py` must define `Engine(cfg, device)` implementing `forgetrain.engine.TrainEngine`; "
         "import sibling modules relatively (`from .model import Llama`). `forgetrain.*` helpers may be imported.",
         f"- Each round has a time limit of {ctx['agent_timeout_s']:.0f} s; stop editing well before it.",
-    ]
+    ] + _features(ctx)
+
+
+def _features(ctx: dict) -> list[str]:
+    """The model features beyond Llama the scenario's model sets (:data:`forgetrain.levers.MODEL_FEATURES`): the
+    seeded engine may not implement them yet, and a run of an engine whose spec does not declare one is refused."""
+    feats = ctx.get("model_features") or []
+    if not feats:
+        return []
+    return [f"- The model sets {', '.join(f'`{f}`' for f in feats)} (see `forgetrain/config/schema.py`, "
+            "ModelConfig): the engine must implement each as the reference does and declare it in its spec "
+            "(`spec = EngineSpec(..., model_features=(...))`, `forgetrain/levers.py`); a run of an engine that does "
+            "not declare one is refused before it starts."]
 
 
 def _gate(ctx: dict) -> list[str]:

@@ -102,6 +102,14 @@ def _shape(rc: RunConfig, opts: ForgeOptions) -> str:
             f"round, and the judge makes the golden for them: no recorded reference run can match one")
 
 
+def brief_features(rc: RunConfig) -> list[str]:
+    """The model features beyond Llama that ``rc.model`` sets (``model.<name>=<value>``), which the engine must
+    implement and declare (:data:`forgetrain.levers.MODEL_FEATURES`; the brief names them)."""
+    from forgetrain.levers import EngineSpec, missing_features
+
+    return missing_features(rc.model, EngineSpec())
+
+
 def _warmup(rc: RunConfig, opts: ForgeOptions) -> int:
     """Warmup clamped below the gate's step count (Megatron's scheduler needs warmup < decay steps)."""
     return max(0, min(rc.train.lr_warmup_steps, opts.verify_steps - 1))
@@ -272,7 +280,8 @@ class _Run:
         ctx = {"scenario": self.scenario, "description": self.rc.scenario.description, "mode": o.mode, "round": k,
                "max_rounds": o.max_rounds, "target_tier": o.target_tier, "target_mfu_pct": o.target_mfu_pct,
                "tiers": self.spec["tiers"], "reference": o.reference, "gate_command": gate_cmd,
-               "shape": _shape(self.rc, o), "agent_timeout_s": self.agent.timeout_s}
+               "shape": _shape(self.rc, o), "agent_timeout_s": self.agent.timeout_s,
+               "model_features": brief_features(self.rc)}
         if o.mode == "full":
             ctx["history"] = self.records
             ctx["last_ladder"] = s.get("last_ladder")
@@ -583,6 +592,8 @@ def forge(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, *, ladder_fn: L
     another process holds.
     """
     _check(rc, opts, agent)
+    # the scenario's engine is the seed the agent adapts: a model feature it lacks is its task (the brief names
+    # it), not a refusal; the candidate's runs check the features against the workspace engine's own spec
     validate(dataclasses.replace(rc, train=dataclasses.replace(
-        rc.train, steps=opts.verify_steps, lr_warmup_steps=_warmup(rc, opts))))
+        rc.train, steps=opts.verify_steps, lr_warmup_steps=_warmup(rc, opts))), template=True)
     return _Run(rc, opts, agent, ladder_fn, gate_paths, import_roots).run()

@@ -50,7 +50,13 @@ def hashed_config(cfg: RunConfig) -> dict:
     p = dataclasses.asdict(cfg.parallel)
     for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute
         p.pop(k, None)
-    return json.loads(json.dumps({"model": dataclasses.asdict(cfg.model), "train": t,
+    m = dataclasses.asdict(cfg.model)
+    from forgetrain.levers import MODEL_FEATURES
+
+    for k, default in MODEL_FEATURES.items():  # off (a Llama): hashed as before these fields existed
+        if m.get(k) == default:
+            m.pop(k, None)
+    return json.loads(json.dumps({"model": m, "train": t,
                                   "data": dataclasses.asdict(cfg.data), "parallel": p}, default=str))
 
 

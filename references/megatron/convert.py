@@ -12,7 +12,13 @@ Megatron names (``GPTModel.state_dict()`` without a wrapper prefix) and their HF
 ``decoder.layers.{i}.mlp.linear_fc2.weight``  [h, ffn]          ``...mlp.down_proj.weight``
 ``decoder.final_layernorm.weight``          [h]                 ``model.norm.weight``
 ``output_layer.weight``                     [V, h]              ``lm_head.weight``
+``decoder.layers.{i}.self_attention.q_layernorm.weight`` [d]    ``...self_attn.q_norm.weight`` (``qk_layernorm``)
+``decoder.layers.{i}.self_attention.k_layernorm.weight`` [d]    ``...self_attn.k_norm.weight`` (``qk_layernorm``)
 =============================================================  ==================================================
+
+With ``share_embeddings_and_output_weights`` the Megatron model has no ``output_layer.weight`` (the LM head uses the
+embedding) and the HF layout no ``lm_head.weight`` (HF saves a tied model so); an HF dict that carries one anyway
+must hold the embedding's values (HF's in-memory state dict shares the tensor).
 
 ``linear_qkv`` rows are grouped by query group (Megatron's ``get_query_key_value_tensors`` views the output as
 ``[s, b, ng, (np/ng + 2) * d]``): for each group ``g`` in order, the ``np/ng`` query heads of that group
@@ -32,22 +38,30 @@ EXTRA_STATE_SUFFIX = "._extra_state"
 def _dims(model_cfg) -> tuple[int, int, int, int]:
     np_ = model_cfg.num_attention_heads
     ng = model_cfg.num_query_groups
-    d = model_cfg.hidden_size // np_
+    d = model_cfg.head_dim
     if np_ % ng:
         raise ValueError(f"num_query_groups={ng} does not divide num_attention_heads={np_}")
     return np_, ng, np_ // ng, d
 
 
-def megatron_param_names(num_layers: int) -> list[str]:
-    """Megatron GPTModel parameter names (local spec, untied output layer) in forward order."""
+def megatron_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool = False) -> list[str]:
+    """Megatron GPTModel parameter names (local spec) in forward order; ``qk_layernorm`` adds each layer's
+    ``self_attention.{q,k}_layernorm.weight``, ``tied`` drops ``output_layer.weight``."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(num_layers):
         p = f"decoder.layers.{i}."
         names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight",
-                  p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
-    names += ["decoder.final_layernorm.weight", "output_layer.weight"]
+                  p + "self_attention.linear_proj.weight"]
+        if qk_layernorm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [p + "pre_mlp_layernorm.weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    names += ["decoder.final_layernorm.weight"] + ([] if tied else ["output_layer.weight"])
     return names
+
+
+def _names(model_cfg) -> list[str]:
+    return megatron_param_names(model_cfg.num_layers, model_cfg.qk_layernorm,
+                                model_cfg.share_embeddings_and_output_weights)
 
 
 def split_qkv(qkv: torch.Tensor, model_cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,7 +90,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_cfg) -> t
 def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
     """Megatron GPTModel state dict (``_extra_state`` entries ignored) -> HF-Llama names and layout."""
     sd = {k: v for k, v in sd.items() if not k.endswith(EXTRA_STATE_SUFFIX)}
-    expected = set(megatron_param_names(model_cfg.num_layers))
+    expected = set(_names(model_cfg))
     if set(sd) != expected:
         raise KeyError(f"megatron state dict keys differ: missing {sorted(expected - set(sd))}, "
                        f"unexpected {sorted(set(sd) - expected)}")
@@ -89,6 +103,9 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
         out[h + "self_attn.q_proj.weight"] = q
         out[h + "self_attn.k_proj.weight"] = k
         out[h + "self_attn.v_proj.weight"] = v
+        if model_cfg.qk_layernorm:
+            out[h + "self_attn.q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"].contiguous()
+            out[h + "self_attn.k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"].contiguous()
         out[h + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"].contiguous()
         out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"].contiguous()
         fc1 = sd[m + "mlp.linear_fc1.weight"]
@@ -98,15 +115,23 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
         out[h + "mlp.up_proj.weight"] = fc1[ffn:].contiguous()
         out[h + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"].contiguous()
     out["model.norm.weight"] = sd["decoder.final_layernorm.weight"].contiguous()
-    out["lm_head.weight"] = sd["output_layer.weight"].contiguous()
+    if not model_cfg.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"].contiguous()
     return out
 
 
 def hf_to_megatron(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
-    """HF-Llama state dict -> Megatron GPTModel parameter names and layout (no ``_extra_state`` entries)."""
-    from forgetrain.engine import hf_param_names
+    """HF-Llama state dict -> Megatron GPTModel parameter names and layout (no ``_extra_state`` entries). Tied: an
+    ``lm_head.weight`` that is present must equal ``model.embed_tokens.weight`` and is dropped. Raises KeyError for
+    missing or unexpected names, ValueError for a tied LM head that differs from the embedding."""
+    from forgetrain.engine import hf_names
 
-    expected = set(hf_param_names(model_cfg.num_layers))
+    if model_cfg.share_embeddings_and_output_weights and "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd.get("model.embed_tokens.weight", torch.empty(0))):
+            raise ValueError("share_embeddings_and_output_weights: lm_head.weight differs from "
+                             "model.embed_tokens.weight (a tied model has one matrix)")
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    expected = set(hf_names(model_cfg))
     if set(sd) != expected:
         raise KeyError(f"HF state dict keys differ: missing {sorted(expected - set(sd))}, "
                        f"unexpected {sorted(set(sd) - expected)}")
@@ -118,12 +143,16 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
             sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"], sd[h + "self_attn.v_proj.weight"],
             model_cfg)
         out[m + "self_attention.linear_proj.weight"] = sd[h + "self_attn.o_proj.weight"].contiguous()
+        if model_cfg.qk_layernorm:
+            out[m + "self_attention.q_layernorm.weight"] = sd[h + "self_attn.q_norm.weight"].contiguous()
+            out[m + "self_attention.k_layernorm.weight"] = sd[h + "self_attn.k_norm.weight"].contiguous()
         out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"].contiguous()
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]], dim=0).contiguous()
         out[m + "mlp.linear_fc2.weight"] = sd[h + "mlp.down_proj.weight"].contiguous()
     out["decoder.final_layernorm.weight"] = sd["model.norm.weight"].contiguous()
-    out["output_layer.weight"] = sd["lm_head.weight"].contiguous()
+    if not model_cfg.share_embeddings_and_output_weights:
+        out["output_layer.weight"] = sd["lm_head.weight"].contiguous()
     return out
 
 
@@ -147,7 +176,7 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
 def tp_partition(name: str):
     """How Megatron param ``name`` is split over TP ranks: 0 / 1 (that dim, contiguous chunks), ``"glu"``
     (``linear_fc1``: gate and up halves chunked separately) or None (replicated)."""
-    if name.endswith("layernorm.weight"):
+    if name.endswith("layernorm.weight"):  # the input / pre-MLP / final norms and q/k_layernorm ([d], per head)
         return None
     if name.endswith("linear_fc1.weight"):
         return "glu"

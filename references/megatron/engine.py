@@ -69,6 +69,9 @@ class Engine:
     """
 
     bench_label = "Megatron-core 0.16.1 local spec (no Transformer Engine)"  # forgetrain.bench's side legend
+    # the ModelConfig features beyond Llama it runs (forgetrain.levers.MODEL_FEATURES): Megatron's qk_layernorm,
+    # share_embeddings_and_output_weights and kv_channels (the Qwen3 dense family)
+    model_features = ("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels")
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg = cfg
@@ -153,7 +156,7 @@ class Engine:
         return TransformerConfig(
             num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
             num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_hidden_size,
-            kv_channels=m.hidden_size // m.num_attention_heads,
+            kv_channels=m.head_dim, qk_layernorm=m.qk_layernorm,
             normalization="RMSNorm", layernorm_epsilon=m.norm_epsilon, gated_linear_unit=True,
             activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=m.init_method_std,
@@ -181,9 +184,11 @@ class Engine:
         torch.manual_seed(t.seed)
         model_parallel_cuda_manual_seed(t.seed)
         return GPTModel(
-            config=self.tcfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            config=self.tcfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm),
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length, pre_process=True, post_process=True,
-            fp16_lm_cross_entropy=False, parallel_output=True, share_embeddings_and_output_weights=False,
+            fp16_lm_cross_entropy=False, parallel_output=True,
+            share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
             position_embedding_type="rope", rotary_percent=1.0, rotary_base=m.rotary_base)
 
     # ------------------------------------------------------------------ parameter access
