@@ -252,7 +252,7 @@ def test_hung_agent_is_killed_and_the_loop_goes_on(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- 7 (real, CLI)
 
-def _cli(tmp: Path, plan: Path, *extra: str) -> subprocess.CompletedProcess:
+def forge_cli(tmp: Path, plan: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "forgetrain.forge", f"scenario={SCENARIO}", "model=llama_micro",
            "train.micro_batch_size=2", "train.global_batch_size=4", "train.threads=1",
            f"agent.command={sys.executable} {AGENT} {plan}", f"agent.timeout_s={hang_s():.0f}", "forge.max_rounds=3",
@@ -264,13 +264,13 @@ def _cli(tmp: Path, plan: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_crash_mid_run_then_resume_continues_from_round_2(tmp_path, data_cache):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"rounds": {"1": ["eps_wrong"], "2": [{"op": "kill_harness"}, "eps_fix"]}}))
-    p = _cli(tmp_path, plan)
+    p = forge_cli(tmp_path, plan)
     assert p.returncode == -9, p.stderr[-2000:]  # killed by the agent in the middle of round 2
     out = tmp_path / "out"
     state = json.loads((out / "workspace" / "forge_state.json").read_text())
     assert state["round"] == 1 and state["status"] == "running"
     assert [r["round"] for r in log_of(out)] == [1]
-    p = _cli(tmp_path, plan, "forge.resume=true")
+    p = forge_cli(tmp_path, plan, "forge.resume=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming llama_tiny_cpu (full) after round 1" in p.stderr
     assert "round 2/3" in p.stderr and "round 1/3" not in p.stderr
@@ -280,7 +280,7 @@ def test_crash_mid_run_then_resume_continues_from_round_2(tmp_path, data_cache):
     assert json.loads((out / "workspace" / "forge_state.json").read_text())["status"] == "sealed"
     assert "=== forge summary" in p.stderr
     # the run is sealed, but a state read back is not trusted: resuming judges its engine again and seals it again
-    p = _cli(tmp_path, plan, "forge.resume=true")
+    p = forge_cli(tmp_path, plan, "forge.resume=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "is judged again (round 3, no agent)" in p.stderr
     log = log_of(out)

@@ -128,16 +128,16 @@ def test_a_forged_state_is_judged_again_on_resume(tmp_path, data_cache):
     loss_curve verdict no gate gave) and kills the forge; the user resumes. The verdict read back is not trusted:
     the engine is judged again in a round of its own, passes the gated runs, and its installed copy's plain user
     run rejects it (class 6). Nothing is sealed."""
-    from tests.test_forge import _cli
+    from tests.test_forge import forge_cli
 
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"rounds": {"1": ["escape_resume_state"]}}))
-    p = _cli(tmp_path, plan, "forge.max_rounds=1")
+    p = forge_cli(tmp_path, plan, "forge.max_rounds=1")
     assert p.returncode == -9, p.stderr[-2000:]  # the agent killed the forge
     out = tmp_path / "out"
     assert json.loads((out / "workspace" / "forge_state.json").read_text())["last_ladder"]["strictest_passed"] == \
         "loss_curve"  # the forged state
-    p = _cli(tmp_path, plan, "forge.max_rounds=1", "forge.resume=true")
+    p = forge_cli(tmp_path, plan, "forge.max_rounds=1", "forge.resume=true")
     assert p.returncode == 1, p.stderr[-3000:]  # ended without a seal
     assert "is judged again (round 2, no agent)" in p.stderr
     rec = log_of(out)[-1]
