@@ -22,7 +22,7 @@ esac
 TAG="${SHAPE}_$(echo "${PLANTS:?PLANTS=a,b:N (plants.py; :N its first N seeds)}" | tr ',:' '_-')"
 df -h /tmp | tail -1
 timeout -k 5 $(( $(left) - 25 )) python3 experiments/equivalence_power/run.py --out "$OUT/$TAG" --plants "$PLANTS" --seeds "${SEEDS:-$ALL}" \
-  --budget-s $(( $(left) - 60 )) -- $W verify.init_cache=/tmp/ftinit > "$OUT/$TAG.log" 2>&1  # a cut call keeps its log and
+  --budget-s $(( $(left) - 30 )) -- $W verify.init_cache=/tmp/ftinit > "$OUT/$TAG.log" 2>&1  # a cut call keeps its log and
 # its archive below (a driver stalled past its budget is stopped first)
 grep -vE "Warning|warnings.warn|^\s*$" "$OUT/$TAG.log" | tail -40
 cp "$OUT/$TAG/power.json" "$OUT/${TAG}_power.json" 2>/dev/null
