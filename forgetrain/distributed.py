@@ -204,6 +204,12 @@ def ensure_process_group(parallel_cfg, device: torch.device) -> None:
     atexit.register(destroy_process_group)
 
 
+def is_rank0() -> bool:
+    """True outside torchrun (no default process group) and on global rank 0: under torchrun only rank 0 writes
+    shared files (reports, goldens) and prints."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def destroy_process_group() -> None:
     """Tear the default process group down if one exists (best effort: this runs on the way out)."""
     if dist.is_available() and dist.is_initialized():

@@ -32,9 +32,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from forgetrain.config import RunConfig, to_run_config
+from forgetrain.distributed import is_rank0
+from forgetrain.equivalence.inits import (curve_golden_traces, golden_init, golden_init_hashes, init_sha256, pin_init,
+                                          write_init_hash)
+from forgetrain.equivalence.runs import release_device_memory, run_cfg
+from forgetrain.equivalence.verdict import REFERENCES_DIR, tier_config
 from forgetrain.errors import ConfigError
 
-GOLDEN_ROOT = Path(__file__).resolve().parent.parent / "references" / "goldens"
+GOLDEN_ROOT = REFERENCES_DIR / "goldens"
 TEMP_INITS = "reference_inits"  # verify's own cache of a golden's rebuilt inits when verify.init_cache is unset
 
 
@@ -83,20 +88,6 @@ def register() -> None:
     ConfigStore.instance().store(name="verify_schema", node=VerifyRunConfig)
 
 
-def _run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
-    """The configured run, cut to ``steps``: the LR schedule stays the full run's (lr_decay_steps pinned)."""
-    c = copy.deepcopy(cfg)
-    if "steps" in train_overrides and cfg.train.lr_decay_steps is None:
-        train_overrides.setdefault("lr_decay_steps", max(cfg.train.steps, train_overrides["steps"]))
-    train_overrides.setdefault("overwrite", not train_overrides.get("resume", False))  # verify owns `out`
-    # no checkpoints, except for a run that stops to be resumed, or resumes (the resume gate)
-    train_overrides.setdefault("save", bool(train_overrides.get("stop_after") or train_overrides.get("resume")))
-    c.train = dataclasses.replace(c.train, out_dir=str(out), sample_tokens=0, save_interval=0,
-                                  **train_overrides)
-    c.logger = dataclasses.replace(c.logger, name="none", plots=False)
-    return c
-
-
 def golden_dir(cfg: RunConfig, tier_name: str) -> Path:
     from forgetrain.train import config_hash
 
@@ -110,7 +101,7 @@ def curve_golden_dir(cfg: RunConfig, vcfg: VerifyConfig) -> Path:
     (loss_curve, surpass)."""
     from forgetrain.train import config_hash
 
-    run = _run_cfg(cfg, Path("."), steps=vcfg.curve_steps, digests=False, seed=0)
+    run = run_cfg(cfg, Path("."), steps=vcfg.curve_steps, digests=False, seed=0)
     ref = "" if vcfg.reference == "megatron" else f"{vcfg.reference}-"
     return GOLDEN_ROOT / cfg.hardware.name / f"{cfg.scenario.name}-{ref}loss_curve-{config_hash(run)}"
 
@@ -124,47 +115,8 @@ def run_reference(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, see
     over = {"steps": steps, "digests": vcfg.digests}
     if seed is not None:
         over["seed"] = seed
-    return train(_run_cfg(cfg, out, **over), kind="references", engine_name=vcfg.reference, progress=False,
+    return train(run_cfg(cfg, out, **over), kind="references", engine_name=vcfg.reference, progress=False,
                  export_init=final_params if export_init is None else export_init, final_params=final_params)
-
-
-def init_sha256(state: dict) -> str:
-    """sha256 of HF-layout weights: for each name in sorted order, the name, dtype, shape and the tensor's raw
-    bytes (C order, on the CPU). Equal hashes mean bit-identical weights under the same names."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().cpu().contiguous()
-        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
-
-
-def reference_init(cfg: RunConfig, vcfg: VerifyConfig, seed: int) -> dict:
-    """Seed ``seed``'s reference init weights (HF layout, fp32, CPU), rebuilt from the seed alone: the reference
-    engine is built as a ``curve_steps`` run of that seed builds it (:func:`forgetrain.train.build_engine`), and
-    its weights are exported; no data is read and no step is taken. The device memory is freed afterwards.
-    Megatron-core's init is deterministic in the seed on one platform and software stack; the golden's sha256
-    (``init.json``) proves it."""
-    import os
-
-    import torch
-
-    from forgetrain import registry
-    from forgetrain.distributed import set_deterministic
-    from forgetrain.train import build_engine
-
-    rc = _run_cfg(cfg, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed)
-    set_deterministic(rc.train.deterministic, rc.hardware.device)
-    device = torch.device("cpu" if rc.hardware.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    engine = build_engine(rc, device, registry.load_engine_class("references", vcfg.reference))
-    state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in engine.export_hf_weights().items()}
-    del engine
-    _release_device_memory()
-    return state
 
 
 def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path) -> Path:
@@ -173,7 +125,7 @@ def run_candidate_ref_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, step
 
     from forgetrain.train import train
 
-    return train(_run_cfg(cfg, out, steps=steps, digests=False), kind="references", engine_name=vcfg.reference,
+    return train(run_cfg(cfg, out, steps=steps, digests=False), kind="references", engine_name=vcfg.reference,
                  init_hf=load_file(str(init)), progress=False)
 
 
@@ -194,14 +146,14 @@ def run_candidate(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, ini
         if not 0 < vcfg.resume_at < steps:
             raise ConfigError(f"verify.resume_at={vcfg.resume_at} must lie in (0, {steps})")
         try:
-            train(_run_cfg(cfg, out, stop_after=vcfg.resume_at, **over), init_hf=init_hf,
+            train(run_cfg(cfg, out, stop_after=vcfg.resume_at, **over), init_hf=init_hf,
                   progress=False, engine_cls=engine_cls)
-            return train(_run_cfg(cfg, out, resume=True, **over), progress=False, engine_cls=engine_cls,
+            return train(run_cfg(cfg, out, resume=True, **over), progress=False, engine_cls=engine_cls,
                          final_params=final_params)
         finally:
-            if _is_rank0():
+            if is_rank0():
                 shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return train(_run_cfg(cfg, out, **over), init_hf=init_hf, progress=False, engine_cls=engine_cls,
+    return train(run_cfg(cfg, out, **over), init_hf=init_hf, progress=False, engine_cls=engine_cls,
                  final_params=final_params)
 
 
@@ -218,7 +170,7 @@ def curve_candidate_runs(cfg: RunConfig, vcfg: VerifyConfig, out: Path, inits: l
     plan += [("unpaired", u, None) for u in vcfg.candidate_seeds]
     paired, unpaired = [], []
     for i, (kind, seed, init) in enumerate(plan, 1):
-        if _is_rank0():
+        if is_rank0():
             how = f"from reference seed {seed}'s init, its batches" if kind == "paired" else \
                 f"from its own init, seed {seed}"
             print(f"candidate run {i}/{len(plan)}: {kind}, {how}, {vcfg.curve_steps} steps", file=sys.stderr,
@@ -228,173 +180,8 @@ def curve_candidate_runs(cfg: RunConfig, vcfg: VerifyConfig, out: Path, inits: l
         (paired if kind == "paired" else unpaired).append(
             run_candidate(cfg, vq, d, vcfg.curve_steps, state, engine_cls, seed=seed, final_params=False) / "trace")
         del state
-        _release_device_memory()
+        release_device_memory()
     return CurveRuns(tuple(paired), tuple(unpaired))
-
-
-def _release_device_memory() -> None:
-    """Between two engines in one process: drop the finished one's compiled graphs and cached device memory, so
-    the next one starts with the device's memory free."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch._dynamo.reset()  # compiled frames keep the finished engine's modules alive
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-def _golden_init_hashes(gdir: Path, seeds: list) -> dict | None:
-    """``{seed: sha256}`` of each seed's reference init stored in the golden (``seed_<N>/init.json``), or None
-    when any seed lacks one (a golden made before init hashes were stored). Raises ConfigError on a damaged
-    file."""
-    import json
-
-    out = {}
-    for s in seeds:
-        f = gdir / f"seed_{s}" / "init.json"
-        if not f.is_file():
-            return None
-        try:
-            out[s] = str(json.loads(f.read_text())["sha256"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{f} is damaged ({type(e).__name__}: {e}); remake it with verify.pin_init=true "
-                              f"\"verify.seeds=[{s}]\"") from e
-    return out
-
-
-def golden_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path, seed: int, sha: str) -> dict:
-    """Seed ``seed``'s reference init for a paired run against the golden ``gdir``: from ``verify.init_cache`` when
-    a copy there still hashes to ``sha``, else regenerated from the seed (:func:`reference_init`) and kept there.
-    Raises ConfigError (one line) when the regenerated init's sha256 differs from the golden's: the candidate would
-    not start where the golden's reference started."""
-    from safetensors.torch import load_file, save
-
-    from forgetrain.trace import atomic_write_bytes
-
-    cache = Path(vcfg.init_cache) / gdir.name / f"seed_{seed}.safetensors" if vcfg.init_cache else None
-    if cache is not None and cache.is_file():
-        try:
-            state = load_file(str(cache))
-            if init_sha256(state) == sha:
-                return state
-        except Exception:  # noqa: BLE001 - a damaged cache entry is regenerated
-            pass
-        print(f"warning: the cached init {cache} does not hash to the golden's init of seed {seed} (damaged, "
-              f"or the golden's hash changed); rebuilding it from the seed", file=sys.stderr)
-    state = reference_init(cfg, vcfg, seed)
-    got = init_sha256(state)
-    if got != sha:
-        raise ConfigError(f"the reference init regenerated from seed {seed} has sha256 {got[:16]}..., the golden "
-                          f"{gdir.name} stores {sha[:16]}...: this platform, reference version or config does not "
-                          f"rebuild the golden's init; judge unpaired (verify.paired=false) or remake the golden "
-                          f"(verify.make_golden=true)")
-    if cache is not None and _is_rank0():
-        atomic_write_bytes(cache, save(state))
-    return state
-
-
-def first_step_problem(cfg: RunConfig, vcfg: VerifyConfig, seed: int, state: dict, trace: Path,
-                       tol: dict) -> tuple[str | None, str]:
-    """Does the reference init ``state`` (HF layout, rebuilt from ``seed`` on this device) start the golden trace
-    ``trace``? The reference runs its step 1 from it on the seed's first batch (the golden's run config, one step)
-    and its loss (nats) and grad norm are compared with the trace's step 1, a function of the init
-    and that batch alone (the update comes after the norm is taken). It runs at micro-batch 1 whatever the golden's
-    (the same global batch, split into more micro-batches: only the rounding differs, far inside the tolerances): ``tol["loss_abs"]`` nats and
-    ``tol["grad_norm_rel"]`` of the norm (``conf/tier/loss_curve.yaml``, ``pin:``, where the rationale is).
-    Returns (a problem or None, how the hash was recorded). Raises ConfigError when ``tol`` lacks either key."""
-    import tempfile
-
-    from forgetrain.trace import read_trace
-    from forgetrain.train import train, versions
-
-    if not {"loss_abs", "grad_norm_rel"} <= set(tol):
-        raise ConfigError("conf/tier/loss_curve.yaml pin: needs loss_abs and grad_norm_rel")
-    want = read_trace(trace)[1][0]
-    with tempfile.TemporaryDirectory(prefix="ft_pin_") as tmp:  # a 1-step run: the batch order is a function of
-        # the step alone (forgetrain/data/loader.py), and _run_cfg keeps the full run's LR schedule. Micro-batch 1:
-        # the same global batch, so the same step-1 loss and gradient up to rounding, at the reference's least
-        # activation memory (the 1B real shape's reference needs more than an H100 holds at micro-batch 2).
-        run = train(_run_cfg(cfg, Path(tmp), steps=1, digests=False, seed=seed, lr_decay_steps=vcfg.curve_steps,
-                             micro_batch_size=1),
-                    kind="references", engine_name=vcfg.reference, init_hf=state, progress=False)
-        got = read_trace(Path(run) / "trace")[1][0]
-    _release_device_memory()
-    dl = abs(float(got["loss"]) - float(want["loss"]))
-    dg = abs(float(got["grad_norm"]) - float(want["grad_norm"])) / max(abs(float(want["grad_norm"])), 1e-12)
-    seen = (f"step 1 loss {got['loss']:.6f} vs the trace's {want['loss']:.6f}, grad norm {got['grad_norm']:.6f} vs "
-            f"{want['grad_norm']:.6f}")
-    if dl > tol["loss_abs"] or dg > tol["grad_norm_rel"]:
-        return (f"does not reproduce the trace's first step ({seen}; tolerance {tol['loss_abs']:g} nats, "
-                f"{tol['grad_norm_rel']:.2%} of the norm)"), ""
-    return None, (f"regenerated from the seed on {versions().get('gpu')}, another GPU than the trace's, where the "
-                  f"reference's first step from it reproduced the trace's ({seen})")
-
-
-def _write_init_hash(seed_dir: Path, sha: str, n: int, recorded: str) -> str:
-    """Write ``seed_dir/init.json``: the sha256 ``sha`` of the reference init a golden seed starts from (``n``
-    parameters), how it was recorded, and the versions that made it. Returns the hash."""
-    from forgetrain.trace import atomic_write_json
-    from forgetrain.train import versions
-
-    atomic_write_json(seed_dir / "init.json", {"sha256": sha, "n_params": n, "recorded": recorded,
-                                               "versions": versions()})
-    return sha
-
-
-def pin_init(cfg: RunConfig, vcfg: VerifyConfig, gdir: Path) -> None:
-    """``verify.pin_init=true``: for each seed in ``verify.seeds`` of the loss-curve golden ``gdir``, regenerate the
-    reference init from the seed and record its sha256 (``init.json``), so the golden allows paired runs. Refused
-    (ConfigError) when a seed's trace is missing, or the trace was made with another torch / reference / CUDA
-    version or on CPU where this process runs on a GPU (or the reverse): the hash would not prove the trace's init.
-    On another GPU model than the trace's (an H100 for an H200 golden), each rebuilt init must first reproduce the
-    trace's first step (:func:`first_step_problem`): the reference's step 1 from it, on that seed's first batch,
-    must give the trace's loss and grad norm within the tolerances of ``conf/tier/loss_curve.yaml`` (``pin:``),
-    else ConfigError and nothing is pinned. With ``verify.init_cache`` the inits are kept there for the paired runs
-    that follow."""
-    import json
-
-    from forgetrain.train import versions
-
-    traces = _curve_golden_traces(gdir, vcfg)
-    now = versions()
-    other_gpu = {}
-    for s, t in zip(vcfg.seeds, traces):  # every seed first: a refusal pins none
-        made = json.loads((t / "meta.json").read_text()).get("versions", {})
-        keys = ("torch", "megatron-core", "cuda") if made.get("gpu") else ("torch", "megatron-core", "cpu")
-        diff = [f"{k} {made.get(k)} -> {now.get(k)}" for k in keys if made.get(k) != now.get(k)]
-        if made.get("gpu") and not now.get("gpu"):
-            diff.append(f"gpu {made.get('gpu')} -> none")
-        if diff:
-            raise ConfigError(f"the golden {t} was made with other versions than this process runs "
-                              f"({'; '.join(diff)}); its init cannot be pinned here: remake it with "
-                              f"verify.make_golden=true \"verify.seeds=[{s}]\"")
-        if made.get("gpu") and made.get("gpu") != now.get("gpu"):
-            other_gpu[s] = made["gpu"]
-    pin_tol = tier_config("loss_curve", vcfg.reference).get("pin") or {}
-    pins = []  # (seed, trace, sha256, n_params, how): written once every seed has passed
-    for s, t in zip(vcfg.seeds, traces):
-        state = reference_init(cfg, vcfg, s)
-        how = "regenerated from the seed after the trace was made, with the trace's versions and device"
-        if s in other_gpu:
-            problem, how = first_step_problem(cfg, vcfg, s, state, t, pin_tol)
-            if problem:
-                raise ConfigError(f"seed {s}'s init, rebuilt on {now.get('gpu')} for the golden made on "
-                                  f"{other_gpu[s]}, {problem}: no init is pinned here; pin on {other_gpu[s]}")
-        pins.append((s, t, init_sha256(state), sum(int(v.numel()) for v in state.values()), how))
-        if vcfg.init_cache and _is_rank0():  # the paired runs that follow read it from there (hash-checked)
-            from safetensors.torch import save
-
-            from forgetrain.trace import atomic_write_bytes
-
-            atomic_write_bytes(Path(vcfg.init_cache) / gdir.name / f"seed_{s}.safetensors", save(state))
-        del state
-    if _is_rank0():
-        for s, t, sha, n, how in pins:
-            _write_init_hash(t.parent, sha, n, how)
-            print(f"init of seed {s}: sha256 {sha[:16]}... recorded in {t.parent / 'init.json'}", file=sys.stderr)
 
 
 def _tier(tier_name: str):
@@ -405,14 +192,6 @@ def _tier(tier_name: str):
     if tier is None:
         raise ConfigError(f"unknown tier '{tier_name}'; known: {', '.join(registry.TIER_ORDER)}")
     return tier
-
-
-def tier_config(tier_name: str, reference: str, tier_cfg: dict | None = None) -> dict:
-    """The rules of ``tier_name``: ``tier_cfg`` (default ``conf/tier/<tier>.yaml``) with the reference's own,
-    versioned overrides merged over it (:func:`_with_reference_overrides`)."""
-    from forgetrain import equivalence as eq
-
-    return _with_reference_overrides(dict(tier_cfg or eq.load_tier(tier_name)), reference, tier_name)
 
 
 def reference_oracle(cfg: RunConfig, vcfg: VerifyConfig, out: Path, steps: int, init: Path) -> Path | None:
@@ -465,7 +244,7 @@ def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand, out: Path | No
         curve = registry.find(tier.rests_on)
         verdicts = [curve.judge()(refs, cand, dict(eq.load_tier(curve.name)))]
         verdicts.append(tier.judge()(verdicts[0], times[0], times[1], tier_cfg))
-    if out is not None and _is_rank0():
+    if out is not None and is_rank0():
         eq.write_report(verdicts, out, refs, cand.first if isinstance(cand, CurveRuns) else cand)
     return verdicts
 
@@ -500,7 +279,7 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
             ref = gdir
             if tier.oracle and (gdir / "oracle_fp32" / "trace" / "trace.jsonl").exists():
                 oracle = gdir / "oracle_fp32"
-            if _is_rank0():
+            if is_rank0():
                 print(f"reference: the stored golden {gdir} (not re-run)", file=sys.stderr)
         else:
             ref = run_reference(cfg, vcfg, out / "reference", steps)
@@ -522,14 +301,14 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     refs, inits = _curve_references(cfg, vcfg, out, gdir)
     if vcfg.make_golden:
         for s in vcfg.seeds:  # the hashes are stored; the weights are not kept
-            if _is_rank0():
+            if is_rank0():
                 (out / f"reference_seed{s}" / "init.safetensors").unlink(missing_ok=True)
         return []
     cand = curve_candidate_runs(cfg, vcfg, out, inits, engine_cls)
     for init in inits or []:  # a live reference's exported inits: rebuilt from the seed when needed again
-        if isinstance(init, Path) and _is_rank0():
+        if isinstance(init, Path) and is_rank0():
             init.unlink(missing_ok=True)
-    if _is_rank0():
+    if is_rank0():
         shutil.rmtree(out / TEMP_INITS, ignore_errors=True)
     times = None
     if tier.kind == registry.SPEED:
@@ -548,16 +327,16 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
     vq = dataclasses.replace(vcfg, digests=False)
     want = vcfg.paired is not False
     if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
-        refs = _curve_golden_traces(gdir, vcfg)
-        hashes = _golden_init_hashes(gdir, list(vcfg.seeds)) if want else None
-        if _is_rank0():
+        refs = curve_golden_traces(gdir, vcfg)
+        hashes = golden_init_hashes(gdir, list(vcfg.seeds)) if want else None
+        if is_rank0():
             print(f"reference: the stored golden {gdir}, seeds {list(vcfg.seeds)} (not re-run)", file=sys.stderr)
         if want and hashes is None:
             why = (f"the golden {gdir.name} lacks the init hash of some seeds, so paired runs cannot start from "
                    f"its inits; record them with verify.pin_init=true")
             if vcfg.paired:
                 raise ConfigError(f"verify.paired=true: {why}")
-            if _is_rank0():
+            if is_rank0():
                 print(f"note: judged unpaired only: {why}", file=sys.stderr)
         if hashes is None:
             return refs, None
@@ -567,7 +346,7 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
         for s in vcfg.seeds:
             golden_init(cfg, vc, gdir, s, hashes[s])
         return refs, [lambda s=s: golden_init(cfg, vc, gdir, s, hashes[s]) for s in vcfg.seeds]
-    store = (vcfg.regenerate or vcfg.make_golden) and _is_rank0()
+    store = (vcfg.regenerate or vcfg.make_golden) and is_rank0()
     refs, inits = [], []
     for s in vcfg.seeds:
         ref = run_reference(cfg, vq, out / f"reference_seed{s}", vcfg.curve_steps, seed=s, final_params=False,
@@ -577,7 +356,7 @@ def _curve_references(cfg: RunConfig, vcfg: VerifyConfig, out: Path, gdir: Path)
             from safetensors.torch import load_file
 
             state = load_file(str(ref / "init.safetensors"))
-            _write_init_hash(gdir / f"seed_{s}", init_sha256(state), sum(int(v.numel()) for v in state.values()),
+            write_init_hash(gdir / f"seed_{s}", init_sha256(state), sum(int(v.numel()) for v in state.values()),
                              "exported by the reference run that made the trace")
             del state
             if not want:  # exported for the hash alone
@@ -688,62 +467,6 @@ def _check_golden(gdir: Path) -> None:
     except (OSError, ValueError) as e:
         raise ConfigError(f"the golden at {gdir} is incomplete or corrupt ({type(e).__name__}: {e}); "
                           f"regenerate it with verify.regenerate=true") from e
-
-
-def _curve_golden_traces(gdir: Path, vcfg: VerifyConfig) -> list[Path]:
-    """The stored reference trace of every seed in ``verify.seeds``. Raises ConfigError naming the missing or
-    damaged seeds and the command that makes them."""
-    import json
-
-    missing = [s for s in vcfg.seeds if not (gdir / f"seed_{s}" / "trace" / "trace.jsonl").is_file()]
-    if missing:
-        have = sorted(int(d.name[5:]) for d in gdir.glob("seed_*") if d.name[5:].isdigit()) if gdir.is_dir() else []
-        raise ConfigError(f"no loss-curve golden for seeds {missing} at {gdir} (stored: {have or 'none'}); make "
-                          f"them with verify.make_golden=true verify.seeds={missing}, or choose stored seeds")
-    traces = []
-    for s in vcfg.seeds:
-        t = gdir / f"seed_{s}" / "trace"
-        try:
-            meta = json.loads((t / "meta.json").read_text())
-            recs = [json.loads(line) for line in (t / "trace.jsonl").read_text().splitlines() if line.strip()]
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"the golden {t} is incomplete or corrupt ({type(e).__name__}: {e}); remake it "
-                              f"with verify.make_golden=true verify.seeds=[{s}]") from e
-        if meta.get("side") != f"references/{vcfg.reference}" or len(recs) != vcfg.curve_steps:
-            raise ConfigError(f"the golden {t} is not a {vcfg.curve_steps}-step run of references/{vcfg.reference} "
-                              f"(side {meta.get('side')}, {len(recs)} steps); remake it with "
-                              f"verify.make_golden=true verify.seeds=[{s}]")
-        traces.append(t)
-    return traces
-
-
-def _is_rank0() -> bool:
-    """True outside torchrun and on global rank 0 (under torchrun only rank 0 writes the report)."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _with_reference_overrides(tier_cfg: dict, reference: str, tier_name: str) -> dict:
-    """Merge a reference's own, versioned tier entry (``references/<name>/<tier>.yaml``, key ``<tier>``) over the
-    tier config. Used where a reference's arithmetic is measured to differ (e.g. DeepSpeed's fp64 grad norm vs
-    Megatron's fp32 one); the file carries the measurement that justifies each number."""
-    path = GOLDEN_ROOT.parent / reference / f"{tier_name}.yaml"
-    if not path.exists():
-        return tier_cfg
-    from omegaconf import OmegaConf
-
-    over = OmegaConf.to_container(OmegaConf.load(path), resolve=True).get(tier_name) or {}
-
-    def merge(a: dict, b: dict) -> dict:
-        out = dict(a)
-        for k, v in b.items():
-            out[k] = merge(out.get(k) or {}, v) if isinstance(v, dict) else v
-        return out
-
-    merged = merge(tier_cfg, over)
-    merged["reference_override"] = str(path.relative_to(GOLDEN_ROOT.parent.parent))
-    return merged
 
 
 def _store_golden(ref_out: Path, gdir: Path, with_init: bool = True, oracle: Path | None = None) -> None:

@@ -37,8 +37,8 @@ def compose(overrides: list[str]):
 def run_job(job: dict) -> Path:
     from safetensors.torch import load_file
 
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.train import train
-    from forgetrain.verify import _run_cfg
 
     cfg = compose(job.get("overrides", []))
     over = {"steps": cfg.train.steps, "digests": bool(job.get("digests", True))}
@@ -46,9 +46,9 @@ def run_job(job: dict) -> Path:
         if job.get(k) is not None:
             over[k] = job[k]
     out = Path(job["out"])
-    run_cfg = _run_cfg(cfg, out, **over)
+    rcfg = run_cfg(cfg, out, **over)
     if job["side"] == "reference":
-        return train(run_cfg, kind="references", engine_name=job.get("reference", "megatron"), progress=False,
+        return train(rcfg, kind="references", engine_name=job.get("reference", "megatron"), progress=False,
                      export_init=True)
     engine_cls = None
     if job.get("engine"):
@@ -56,7 +56,7 @@ def run_job(job: dict) -> Path:
 
         engine_cls = resolve_engine(job["engine"])
     init = load_file(job["init"]) if job.get("init") and not job.get("resume") else None
-    return train(run_cfg, init_hf=init, progress=False, engine_cls=engine_cls)
+    return train(rcfg, init_hf=init, progress=False, engine_cls=engine_cls)
 
 
 def main(argv: list[str]) -> None:

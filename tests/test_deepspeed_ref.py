@@ -115,12 +115,12 @@ def ds_ref(tmp_path_factory):
 
 def test_resume_is_bitwise(ds_ref, tmp_path):
     """The DeepSpeed reference resumes from its own checkpoint (state_dict / load_state_dict) to the bit."""
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.train import train
-    from forgetrain.verify import _run_cfg
 
     c = _cfg()
     for over in ({"stop_after": 2}, {"resume": True}):
-        resumed = train(_run_cfg(c, tmp_path / "resumed", steps=STEPS, digests=True, **over), kind="references",
+        resumed = train(run_cfg(c, tmp_path / "resumed", steps=STEPS, digests=True, **over), kind="references",
                         engine_name="deepspeed", progress=False)
     verdict = eq.bitwise(ds_ref / "trace", resumed / "trace", eq.load_tier("bitwise"))
     assert verdict.passed, verdict.summary

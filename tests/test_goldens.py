@@ -35,10 +35,10 @@ def test_forged_matches_golden(golden, tmp_path):
     steps = meta["steps"]
     cfg = _cfg()  # the golden's command line: model=llama_micro, mb 2, gb 4, warmup 2, a 500-step schedule
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=500))
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.train import config_hash
-    from forgetrain.verify import _run_cfg
 
-    run = _run_cfg(cfg, tmp_path, steps=steps, digests=True)
+    run = run_cfg(cfg, tmp_path, steps=steps, digests=True)
     if config_hash(run) != meta["config_hash"]:  # a stale golden fails, naming what changed; it never skips
         pytest.fail(f"the golden {golden.name} was made with another config: {_config_diff(meta, run)}; "
                     f"regenerate it with the command in references/goldens/README.md")
@@ -59,10 +59,10 @@ def _config_diff(meta: dict, run) -> str:
 
 
 def test_config_diff_names_what_changed(tmp_path):
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.train import hashed_config
-    from forgetrain.verify import _run_cfg
 
-    run = _run_cfg(_cfg(), tmp_path, steps=8, digests=True)
+    run = run_cfg(_cfg(), tmp_path, steps=8, digests=True)
     meta = {"config": hashed_config(run)}
     meta["config"]["train"]["lr"] = 1.0
     assert _config_diff(meta, run) == f"train.lr: 1.0 -> {run.train.lr!r}"

@@ -13,6 +13,8 @@ import pytest
 
 from forgetrain import equivalence as eq
 from forgetrain import verify as V
+from forgetrain.equivalence import inits
+from forgetrain.equivalence.verdict import tier_config
 from forgetrain.errors import ConfigError
 from scenarios.llama_tiny_cpu.engine import Engine
 from tests.helpers import ladder_cfg as _cfg
@@ -63,7 +65,7 @@ def _judge(live, tmp_path, engine_cls):
     refs, inits = live
     runs = V.curve_candidate_runs(_curve_cfg(), _vcfg(), tmp_path, inits, engine_cls)
     assert len(runs.paired) == 3 and len(runs.unpaired) == 3
-    return V.judge("loss_curve", V.tier_config("loss_curve", "megatron"), refs, runs)[-1]
+    return V.judge("loss_curve", tier_config("loss_curve", "megatron"), refs, runs)[-1]
 
 
 def test_honest_engine_passes_paired_with_zero_difference(live, tmp_path):
@@ -101,7 +103,7 @@ def test_golden_stores_init_hashes_and_a_changed_hash_is_refused_in_one_line(gol
     for s in SEEDS:
         info = json.loads((gdir / f"seed_{s}" / "init.json").read_text())
         assert len(info["sha256"]) == 64 and info["n_params"] > 0
-    assert info["sha256"] == V.init_sha256(V.reference_init(cfg, _vcfg(), SEEDS[-1]))  # rebuilt from the seed
+    assert info["sha256"] == inits.init_sha256(inits.reference_init(cfg, _vcfg(), SEEDS[-1]))  # rebuilt from the seed
     cache = tmp_path / "inits"
     v = V.verify(cfg, _vcfg(golden=True, candidate_seeds=[], init_cache=str(cache)), "loss_curve", tmp_path / "j")[-1]
     assert v.passed and v.evidence["mode"] == "paired", v.summary
@@ -194,14 +196,14 @@ def test_pin_on_another_gpu_needs_the_traces_first_step_reproduced(golden_root, 
     V.verify(cfg, _vcfg(make_golden=True), "loss_curve", tmp_path / "g")
     gdir = V.curve_golden_dir(cfg, _vcfg())
     _as_if_made_on(gdir, "NVIDIA H200", "NVIDIA H100 80GB HBM3", monkeypatch)
-    real_init = V.reference_init
-    monkeypatch.setattr(V, "reference_init", lambda c, v, s: real_init(c, v, 1235 if s == 1236 else s))
+    real_init = inits.reference_init
+    monkeypatch.setattr(inits, "reference_init", lambda c, v, s: real_init(c, v, 1235 if s == 1236 else s))
     with pytest.raises(ConfigError) as e:
         V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "bad")
     msg = str(e.value)
     assert "seed 1236" in msg and "does not reproduce the trace's first step" in msg and "\n" not in msg
     assert not list(gdir.rglob("init.json"))  # a refusal pins none, not even the seeds checked before it
-    monkeypatch.setattr(V, "reference_init", real_init)
+    monkeypatch.setattr(inits, "reference_init", real_init)
     assert V.verify(cfg, _vcfg(golden=True, pin_init=True), "loss_curve", tmp_path / "pin") == []
     info = json.loads((gdir / "seed_1236" / "init.json").read_text())
     assert "reproduced the trace's" in info["recorded"]

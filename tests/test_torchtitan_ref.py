@@ -44,10 +44,10 @@ def _run_tt(cfg, out: Path, init: Path | None = None, engine_cls=None, **train_o
     """Train the torchtitan reference (or ``engine_cls``) through the harness, from ``init`` if given."""
     from safetensors.torch import load_file
 
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.train import train
-    from forgetrain.verify import _run_cfg
 
-    return train(_run_cfg(cfg, out, steps=STEPS, digests=True, **train_over), kind="references",
+    return train(run_cfg(cfg, out, steps=STEPS, digests=True, **train_over), kind="references",
                  engine_name="torchtitan", engine_cls=engine_cls, progress=False, export_init=init is None,
                  init_hf=load_file(str(init)) if init is not None else None)
 

@@ -64,6 +64,8 @@ def main(argv=None) -> int:
 
     from forgetrain import registry
     from forgetrain import verify as V
+    from forgetrain.equivalence.inits import curve_golden_traces, golden_init, golden_init_hashes, pin_init
+    from forgetrain.equivalence.verdict import tier_config
 
     rc, vcfg = compose(a.overrides + ["tier=loss_curve", "verify.golden=true"])
     seeds = [int(s) for s in a.seeds.split(",")] if a.seeds else list(vcfg.seeds)
@@ -84,16 +86,16 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     gdir = V.curve_golden_dir(rc, vcfg)
-    refs_all = dict(zip(seeds, V._curve_golden_traces(gdir, vcfg)))
-    hashes = V._golden_init_hashes(gdir, seeds)
+    refs_all = dict(zip(seeds, curve_golden_traces(gdir, vcfg)))
+    hashes = golden_init_hashes(gdir, seeds)
     if hashes is None:
-        V.pin_init(rc, vcfg, gdir)
-        hashes = V._golden_init_hashes(gdir, seeds)
+        pin_init(rc, vcfg, gdir)
+        hashes = golden_init_hashes(gdir, seeds)
         for s in seeds:
             (out / "init_json").mkdir(exist_ok=True)
             shutil.copy2(gdir / f"seed_{s}" / "init.json", out / "init_json" / f"{gdir.name}_seed_{s}.json")
     print(f"[{time.time() - t0:.0f} s] golden {gdir.name}, seeds {seeds}, inits pinned", flush=True)
-    tier_cfg = V.tier_config("loss_curve", vcfg.reference)
+    tier_cfg = tier_config("loss_curve", vcfg.reference)
     base = registry.resolve_engine(rc.scenario.engine)
     rows, per_run = [], None
     for name, pseeds in plan:
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
             print(f"skip {name}: {rows[-1]['skipped']}", flush=True)
             continue
         t1 = time.time()
-        inits = [lambda s=s: V.golden_init(rc, vcfg, gdir, s, hashes[s]) for s in pseeds] if mode == "paired" else None
+        inits = [lambda s=s: golden_init(rc, vcfg, gdir, s, hashes[s]) for s in pseeds] if mode == "paired" else None
         vq = dataclasses.replace(vcfg, seeds=pseeds,
                                  candidate_seeds=[] if mode == "paired" else vcfg.candidate_seeds)
         runs = V.curve_candidate_runs(P.run_config(name, rc), vq, out / name, inits, P.planted(name, base))

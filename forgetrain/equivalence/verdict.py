@@ -21,6 +21,7 @@ from forgetrain.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIER_CONF_DIR = REPO_ROOT / "conf" / "tier"
+REFERENCES_DIR = REPO_ROOT / "references"  # a reference's own tier overrides: references/<name>/<tier>.yaml
 
 DIVERGENCE_KINDS = ("tokens", "loss", "grad_norm", "lr", "per_token_loss", "param", "grad", "clipped_grad",
                     "module_fwd", "module_grad")
@@ -75,6 +76,24 @@ def _merge(base: dict, over: Mapping) -> dict:
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, Mapping) else v
     return out
+
+
+def tier_config(tier_name: str, reference: str, tier_cfg: dict | None = None) -> dict:
+    """The rules of ``tier_name`` for judging against ``reference`` (a package under references/): ``tier_cfg``
+    (default :func:`load_tier`'s ``conf/tier/<tier>.yaml``) with the reference's own, versioned entry
+    (``references/<reference>/<tier>.yaml``, key ``<tier>``) merged over it key by key, and then
+    ``reference_override`` naming that file. Used where a reference's arithmetic is measured to differ (e.g.
+    DeepSpeed's fp64 grad norm vs Megatron's fp32 one); the file carries the measurement that justifies each number.
+    Raises ConfigError for an unknown tier (when ``tier_cfg`` is not given)."""
+    cfg = dict(tier_cfg or load_tier(tier_name))
+    path = REFERENCES_DIR / reference / f"{tier_name}.yaml"
+    if not path.exists():
+        return cfg
+    from omegaconf import OmegaConf
+
+    merged = _merge(cfg, OmegaConf.to_container(OmegaConf.load(path), resolve=True).get(tier_name) or {})
+    merged["reference_override"] = str(path.relative_to(REPO_ROOT))
+    return merged
 
 
 def _tier_cfg(name: str, cfg: Any) -> dict:

@@ -302,35 +302,35 @@ def _curve_replayed(tier: str, runs, rc, vcfg) -> dict | None:
     """The ``rejected`` entry (class 5) when a curve run's trace is not the record of the run the judge asked for:
     each run's config hash is the one of that seed's ``curve_steps``-step run (what the golden of that seed
     carries), computed here."""
-    import forgetrain.verify as fv
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.forge import recheck, sandbox
     from forgetrain.train import config_hash
 
     problems = []
     for seed, t in zip([*vcfg.seeds, *vcfg.candidate_seeds], [*runs.paired, *runs.unpaired]):
-        want = config_hash(fv._run_cfg(rc, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed))
+        want = config_hash(run_cfg(rc, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed))
         problems += [f"{t.parent.name}: {p}" for p in recheck.trace_problems(t, None, vcfg.curve_steps, want)]
     return sandbox.rejection([(5, p) for p in problems], f"{tier} candidate traces") if problems else None
 
 
 def curve_inits(rc, vcfg, gdir: Path, init_dir: Path) -> None:
     """The judge's own copy of each reference seed's init for the paired runs, made in this process: rebuilt
-    from the seed (:func:`forgetrain.verify.golden_init`) and checked against the sha256 the golden stores, then
-    written as ``init_dir/seed_<N>.safetensors`` (the candidate's process reads it there, read-only). Raises
-    RuntimeError when the golden stores no init hashes, ConfigError when a rebuilt init does not match."""
+    from the seed (:func:`forgetrain.equivalence.inits.golden_init`) and checked against the sha256 the golden
+    stores, then written as ``init_dir/seed_<N>.safetensors`` (the candidate's process reads it there, read-only).
+    Raises RuntimeError when the golden stores no init hashes, ConfigError when a rebuilt init does not match."""
     import dataclasses
 
-    import forgetrain.verify as fv
     from safetensors.torch import save
 
+    from forgetrain.equivalence.inits import golden_init, golden_init_hashes
     from forgetrain.trace import atomic_write_bytes
 
-    hashes = fv._golden_init_hashes(gdir, list(vcfg.seeds))
+    hashes = golden_init_hashes(gdir, list(vcfg.seeds))
     if hashes is None:
         raise RuntimeError(f"the golden {gdir} stores no init hash for some seeds: the paired runs cannot start "
                            f"from its inits")
     for seed in vcfg.seeds:
-        state = fv.golden_init(rc, dataclasses.replace(vcfg, init_cache=None), gdir, seed, hashes[seed])
+        state = golden_init(rc, dataclasses.replace(vcfg, init_cache=None), gdir, seed, hashes[seed])
         atomic_write_bytes(init_dir / f"seed_{seed}.safetensors", save(state))
         del state
 
@@ -360,6 +360,8 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
     import forgetrain.equivalence  # noqa: F401 - the judge's code, loaded before any candidate runs
     import forgetrain.verify as fv
     from forgetrain.config import to_run_config
+    from forgetrain.equivalence.inits import curve_golden_traces
+    from forgetrain.equivalence.verdict import tier_config
     from forgetrain.forge import isolate, secret
     from forgetrain.forge._golden import missing_goldens
     from forgetrain.trace import atomic_write_json
@@ -428,13 +430,13 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
             break
         # 3. the verdict, from traces alone
         cand = out / tier / "candidate" / "trace" if short else curve_runs(out / tier / "candidate", vcfg)
-        refs = [gdir / "trace"] if short else fv._curve_golden_traces(gdir, vcfg)
+        refs = [gdir / "trace"] if short else curve_golden_traces(gdir, vcfg)
         res["rejected"] = _replayed(tier, cand, refs, vcfg.steps) if short else \
             _curve_replayed(tier, cand, rc, vcfg)
         if res["rejected"]:
             break
         oracle = gdir / "oracle_fp32" / "trace"
-        verdicts = fv.judge(tier, fv.tier_config(tier, vcfg.reference), refs, cand, out / tier,
+        verdicts = fv.judge(tier, tier_config(tier, vcfg.reference), refs, cand, out / tier,
                             oracle=oracle if oracle.is_dir() else None)
         res["verdicts"] += [v.to_dict() for v in verdicts]
         last_eq, golden_used = tier, (gdir if short else None)
@@ -454,6 +456,8 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for)
     timing (candidate, reference, candidate), each block in a process of its own; the verdicts come from the
     traces and the step times."""
     import forgetrain.verify as fv
+    from forgetrain.equivalence.inits import curve_golden_traces
+    from forgetrain.equivalence.verdict import tier_config
 
     curve = curve_tier_of(speed)
     gdir = golden_location(rc, vcfg, curve)
@@ -462,7 +466,7 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for)
                                       init_dir=d / "init")
     if res["rejected"]:
         return
-    refs, runs = fv._curve_golden_traces(gdir, vcfg), curve_runs(d / "candidate", vcfg)
+    refs, runs = curve_golden_traces(gdir, vcfg), curve_runs(d / "candidate", vcfg)
     res["rejected"] = _curve_replayed(speed, runs, rc, vcfg)
     if res["rejected"]:
         return
@@ -476,7 +480,7 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for)
             return
         t_cand += json.loads((d / f"timing_{block}" / "times.json").read_text())
     t_ref = json.loads((d / "reference_times.json").read_text())
-    verdicts = fv.judge(speed, fv.tier_config(speed, vcfg.reference), refs, runs, d, times=(t_ref, t_cand))
+    verdicts = fv.judge(speed, tier_config(speed, vcfg.reference), refs, runs, d, times=(t_ref, t_cand))
     res["verdicts"] += [v.to_dict() for v in verdicts]
     lc = next((v for v in verdicts if v.tier == curve), None)
     if res["strictest_passed"] is None and lc is not None and lc.passed:

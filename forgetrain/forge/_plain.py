@@ -6,7 +6,7 @@
 
 1. before the user's run: the data window is cut into the dir the spec's ``data.path`` names
    (:func:`forgetrain.forge.secret.build_window`; the user's run reads a copy, the golden this one), and the
-   reference's init for the drawn seed is written to ``FILE`` (:func:`forgetrain.verify.reference_init`: the
+   reference's init for the drawn seed is written to ``FILE`` (:func:`forgetrain.equivalence.inits.reference_init`: the
    weights alone, no step taken, nothing of the trajectory a golden holds). The judge's modules are imported,
    then ``ready`` is printed on stdout;
 2. one JSON line on stdin, ``{"trace": DIR}`` (the user's run's trace, finished) or ``{"stop": why}``: only then
@@ -37,21 +37,24 @@ def prepare(jspec: dict, init_file: Path) -> str:
     import forgetrain.equivalence  # noqa: F401 - the judge's code, loaded before the user's run
     import forgetrain.verify as fv
     from forgetrain.config import to_run_config
+    from forgetrain.equivalence.inits import init_sha256, reference_init
     from forgetrain.forge import recheck  # noqa: F401
     from forgetrain.forge.secret import build_window
     from forgetrain.trace import atomic_write_bytes
 
     build_window(jspec, Path(jspec["run_config"]["data"]["path"]).parent)
     rc, vcfg = to_run_config(jspec["run_config"]), fv.VerifyConfig(**jspec["verify"])
-    state = fv.reference_init(rc, vcfg, rc.train.seed)
+    state = reference_init(rc, vcfg, rc.train.seed)
     atomic_write_bytes(init_file, save(state))
-    return fv.init_sha256(state)
+    return init_sha256(state)
 
 
 def judge(jspec: dict, trace: Path, init_sha: str, want_hash: str, out: Path) -> dict:
     """Phase 2: the golden of the drawn values (made now), then the trace checks and the verdict."""
     import forgetrain.verify as fv
     from forgetrain.config import to_run_config
+    from forgetrain.equivalence.inits import init_sha256
+    from forgetrain.equivalence.verdict import tier_config
     from forgetrain.forge import recheck
     from forgetrain.forge._golden import golden_location
 
@@ -64,7 +67,7 @@ def judge(jspec: dict, trace: Path, init_sha: str, want_hash: str, out: Path) ->
     shutil.rmtree(out / "_reference", ignore_errors=True)
     from safetensors.torch import load_file
 
-    got = fv.init_sha256(load_file(str(gdir / "init.safetensors")))
+    got = init_sha256(load_file(str(gdir / "init.safetensors")))
     if got != init_sha:
         raise RuntimeError(f"the reference's run of seed {rc.train.seed} started from weights {got[:12]}, not the "
                            f"init the user's run was given ({init_sha[:12]}): the judge cannot compare them")
@@ -72,7 +75,7 @@ def judge(jspec: dict, trace: Path, init_sha: str, want_hash: str, out: Path) ->
     res["problems"] = [[5, p] for p in problems]
     if not problems:
         oracle = gdir / "oracle_fp32" / "trace"
-        verdicts = fv.judge(tier, fv.tier_config(tier, vcfg.reference), [gdir / "trace"], trace, out / tier,
+        verdicts = fv.judge(tier, tier_config(tier, vcfg.reference), [gdir / "trace"], trace, out / tier,
                             oracle=oracle if oracle.is_dir() else None)
         res["verdicts"] = [v.to_dict() for v in verdicts]
     res["passed"] = not problems and all(v["passed"] for v in res.get("verdicts", [])) and bool(res.get("verdicts"))

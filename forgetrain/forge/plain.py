@@ -174,9 +174,9 @@ class PlainCheck:
     run cannot be written as a user's command line."""
 
     def __init__(self, run, rdir: Path, passed: dict, name: str):
-        import forgetrain.verify as fv
         from forgetrain.config import to_run_config
         from forgetrain.equivalence import registry
+        from forgetrain.equivalence.runs import run_cfg
         from forgetrain.forge import procs, sandbox, secret
         from forgetrain.forge import workspace as wsmod
         from forgetrain.train import config_hash
@@ -195,7 +195,7 @@ class PlainCheck:
         self.name = name  # the package name the re-check imports it under
         jspec = secret.judge_spec(dict(run.spec, tiers=[tier], target_tier=tier), drawn, d / "_data", d / "golden")
         # the run the ladder's candidate makes (forgetrain.verify's settings), from the reference's init, on a copy
-        user = fv._run_cfg(to_run_config(jspec["run_config"]), Path("."), steps=int(drawn["steps"]), digests=True)
+        user = run_cfg(to_run_config(jspec["run_config"]), Path("."), steps=int(drawn["steps"]), digests=True)
         user.train = dataclasses.replace(user.train, out_dir=None, init_weights=str(root / "init.safetensors"))
         user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
         (d / "spec.json").write_text(json.dumps(jspec))

@@ -386,7 +386,8 @@ def _snapshot() -> dict:
 TRACE_WRITER = ("builtins", "json", "json.encoder", "json.decoder", "hashlib", "os", "posixpath", "io", "tempfile",
                 "shutil", "pathlib", "struct", "math", "numpy", "safetensors", "safetensors.torch", "torch",
                 "torch.serialization", "concurrent.futures", "concurrent.futures.thread", "forgetrain.trace",
-                "forgetrain.train", "forgetrain.verify", "forgetrain.metrics")
+                "forgetrain.train", "forgetrain.verify", "forgetrain.equivalence.runs", "forgetrain.equivalence.inits",
+                "forgetrain.distributed", "forgetrain.metrics")
 
 # Module attributes that the libraries themselves rebind while a run goes on (lazy loaders, hooks they install on
 # first use); a change there says nothing about the candidate.

@@ -118,7 +118,7 @@ def setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: st
 def build_engine(cfg: RunConfig, device: torch.device, engine_cls):
     """The engine of a run, with its initial weights: the global torch seed set to ``train.seed``, then
     ``engine_cls(cfg, device)``. Every run builds its engine here, so an init rebuilt from a seed without data or
-    training (``forgetrain.verify.reference_init``) is the run's own."""
+    training (``forgetrain.equivalence.inits.reference_init``) is the run's own."""
     torch.manual_seed(cfg.train.seed)
     return engine_cls(cfg, device)
 

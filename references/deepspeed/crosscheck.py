@@ -62,8 +62,8 @@ def run(cfg, name: str, out: Path, steps: int, *, init: Path | None = None, seed
     from safetensors.torch import load_file
 
     from forgetrain import registry
+    from forgetrain.equivalence.runs import run_cfg
     from forgetrain.train import train
-    from forgetrain.verify import _run_cfg
 
     over = {"steps": steps, "digests": digests}
     if seed is not None:
@@ -71,7 +71,7 @@ def run(cfg, name: str, out: Path, steps: int, *, init: Path | None = None, seed
     cls = registry.load_engine_class("references", name)
     if norms is not None:
         cls = recording(cls, norms)
-    return train(_run_cfg(cfg, out, **over), kind="references", engine_name=name, engine_cls=cls,
+    return train(run_cfg(cfg, out, **over), kind="references", engine_name=name, engine_cls=cls,
                  init_hf=load_file(str(init)) if init is not None else None, progress=False,
                  export_init=init is None)
 
