@@ -467,7 +467,8 @@ def _sealed(tmp: Path) -> Path:
                                               "files": files, "tier": "bitwise",
                                               "installed_check": {"passed": True, "files": files}}))
     (tmp / "run" / "workspace").mkdir()
-    (tmp / "run" / "workspace" / "forge_state.json").write_text(json.dumps({"seal": str(sd), "reverify": {"files": files}}))
+    (tmp / "run" / "workspace" / "forge_state.json").write_text(json.dumps({"status": "sealed", "seal": str(sd),
+                                                                           "reverify": {"files": files}}))
     return sd
 
 
@@ -512,6 +513,18 @@ def test_install_of_a_changed_engine_is_refused_with_one_line(tmp_path, how):
     want = {"engine_only": "does not match its seal", "seal_rewritten": "the installed copy its re-check judged",
             "seal_and_check_rewritten": "the forge run's state"}[how]
     assert want in lines[0] and (how == "engine_only" or "engine.py" in lines[0]), lines[0]
+    assert not (tmp_path / "scenarios").exists()
+
+
+def test_install_refuses_a_sealed_dir_that_its_forge_run_did_not_seal(tmp_path):
+    """An agent can write anywhere the user can: a sealed/ dir made in a round, beside a forge run that ended
+    unsealed (its state rewritten by the forge after every round), is not installed."""
+    sd = _sealed(tmp_path)
+    state = tmp_path / "run" / "workspace" / "forge_state.json"
+    state.write_text(json.dumps(dict(json.loads(state.read_text()), status="exhausted", seal=None)))
+    p = _install_cli(sd, tmp_path / "scenarios" / "forged")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "was not sealed by the forge run beside it" in lines[0], p.stderr
     assert not (tmp_path / "scenarios").exists()
 
 

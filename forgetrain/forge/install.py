@@ -44,11 +44,12 @@ def _write_package_seal(d: Path, seal: dict) -> None:
         atomic_write_bytes(f, body.encode())
 
 
-def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path) -> dict[str, str]:
+def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path, staged: bool = False) -> dict[str, str]:
     """The engine files' sha256 that the seal vouches for, checked against every record of them: the engine's
     own files, ``seal.json``'s ``files`` and ``source_hash``, the hashes of the installed copy that passed the
     seal's re-check (``installed_check.files``), and the forge run's state beside the seal
-    (``../workspace/forge_state.json``, when there). Raises ConfigError naming the first disagreement."""
+    (``../workspace/forge_state.json``, when there: it must name this dir as its seal, unless ``staged``, the
+    forge's own copy for its re-checks). Raises ConfigError naming the first disagreement."""
     got = file_hashes(eng)
     if seal.get("source_hash") != source_hash(eng):
         raise ConfigError(f"{eng} does not match its seal (source hash {source_hash(eng)[:12]} != "
@@ -61,8 +62,15 @@ def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path) -> dict[str, str]:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{state_file} cannot be read ({type(e).__name__}: {e})") from None
-        if state.get("seal") == str(seal_dir):  # the run that wrote this seal
-            records.append((f"the forge run's state ({state_file})", (state.get("reverify") or {}).get("files")))
+        named = state.get("seal")
+        if not staged and (state.get("status") != "sealed" or not isinstance(named, str)
+                           or Path(named).resolve() != seal_dir):
+            # the forge rewrites its state after every round: at the run's end it names the seal it wrote, and a
+            # sealed/ dir it does not name was written by someone else (an agent can write anywhere the user can)
+            raise ConfigError(f"{seal_dir} was not sealed by the forge run beside it ({state_file} says status "
+                              f"{state.get('status')!r}, seal {state.get('seal')!r}): gate the engine with "
+                              f"python -m forgetrain.forge")
+        records.append((f"the forge run's state ({state_file})", (state.get("reverify") or {}).get("files")))
     for what, want in records:
         if want is None:
             continue
@@ -73,11 +81,13 @@ def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path) -> dict[str, str]:
     return got
 
 
-def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path:
+def install(seal_dir: str | Path, dest: str | Path, force: bool = False, staged: bool = False) -> Path:
     """Copy the sealed engine in ``seal_dir`` into ``dest``; returns ``dest``. Raises ConfigError (nothing written)
     on a missing, unreadable or modified seal (the engine's bytes must be the ones sealed and re-checked:
     :func:`_sealed_hashes`), forbidden imports, a reference framework's code in it, an existing different engine
-    at ``dest`` without ``force``, or a copy whose installed bytes do not hash as sealed."""
+    at ``dest`` without ``force``, a seal dir that the forge run beside it did not seal (``staged``: the forge's
+    own staged copy, which its re-checks judge before any seal), or a copy whose installed bytes do not hash as
+    sealed."""
     seal_dir, dest = Path(seal_dir).resolve(), Path(dest).resolve()
     seal_file, eng = seal_dir / "seal.json", seal_dir / ENGINE_DIR
     if not seal_file.exists() or not (eng / "engine.py").exists():
@@ -88,7 +98,7 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False) -> Path
             raise ValueError("not an object")
     except (OSError, ValueError) as e:
         raise ConfigError(f"{seal_file} cannot be read ({type(e).__name__}: {e})") from None
-    want = _sealed_hashes(seal_dir, seal, eng)
+    want = _sealed_hashes(seal_dir, seal, eng, staged)
     got = source_hash(eng)
     hits = scan_tree(eng)
     if hits:

@@ -223,7 +223,7 @@ class PlainCheck:
         dest = self.root / "scenarios" / self.name
         dest.parent.mkdir(parents=True, exist_ok=True)
         (dest.parent / "__init__.py").write_text("")
-        install(self.run_.out / ".seal_stage", dest, force=True)
+        install(self.run_.out / ".seal_stage", dest, force=True, staged=True)
         if {f: h for f, h in wsmod.file_hashes(dest).items() if f != "SEAL.json"} != installed:
             return [(6, f"the copy installed for the user's run at {dest} does not hash as the re-checked one")], {}
         return _user_run(self.run_, self.d, self.root, self.tier, self.drawn, self.judge, self.overrides)

@@ -72,7 +72,8 @@ def reverify(run, k: int, rdir: Path, passed: dict | None = None) -> list[tuple[
     if dest.exists():
         shutil.copytree(dest, backup, symlinks=True)
     try:
-        install(_stage(run, run.out / ".seal_stage", (passed or {}).get("strictest_passed")), dest, force=True)
+        install(_stage(run, run.out / ".seal_stage", (passed or {}).get("strictest_passed")), dest, force=True,
+                staged=True)
     except ConfigError as e:
         return [(7 if "class 7" in str(e) else 6, f"the engine cannot be installed: {e}")]
     installed = _engine_hashes(dest)  # the bytes the re-check judges: the seal vouches for these and no others
