@@ -289,6 +289,16 @@ def test_crash_mid_run_then_resume_continues_from_round_2(tmp_path, data_cache):
     assert json.loads((out / "workspace" / "forge_state.json").read_text())["status"] == "sealed"
 
 
+def test_resume_without_a_forge_run_is_one_line_and_writes_nothing(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"rounds": {}}))
+    p = forge_cli(tmp_path, plan, "forge.resume=true")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: forge.resume=true but no forge run"), \
+        p.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------------- modes, config
 
 def test_goal_only_brief_and_modes_side_by_side(tmp_path):

@@ -233,8 +233,6 @@ class _Run:
                 _say(f"[forge] the engine of round {self.state['round']} is judged again (round "
                      f"{self.state['round'] + 1}, no agent): a verdict read back from {self.state_path} is not trusted")
             return
-        if self.opts.resume:
-            _say(f"[forge] nothing to resume at {self.out}; starting a new run")
         for name in ("workspace", "rounds", "sealed", "golden", "installed"):
             shutil.rmtree(self.out / name, ignore_errors=True)
         for name in ("forge_log.jsonl", "ladder_spec.json"):
@@ -535,6 +533,9 @@ judged again since that state is not trusted). Returns True when
 
     # ------------------------------------------------------------ drive
     def run(self) -> dict:
+        if self.opts.resume and not self.state_path.exists():  # a mistyped dir: one line, nothing written
+            raise ConfigError(f"forge.resume=true but no forge run at {self.out} (no {self.state_path.name}): "
+                              f"nothing to resume; drop forge.resume to start one there")
         self.out.mkdir(parents=True, exist_ok=True)
         lock = startup.lock_out_dir(self.out)
         try:
