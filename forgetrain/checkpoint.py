@@ -129,6 +129,10 @@ def latest(ckpt_root: str | os.PathLike) -> Path | None:
     return steps[-1] if steps else None
 
 
+# what a damaged file (not a checkpoint of another model) makes DCP's loader say: a short read, a bad pickle
+_DAMAGE_MARKS = ("EOFError", "UnpicklingError", "invalid load key", "truncated", "unexpected end")
+
+
 def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
     """Load into ``template`` (in place, DCP semantics) and return ``(state, harness)``.
 
@@ -144,8 +148,11 @@ def load(ckpt_dir: str | os.PathLike, template: dict) -> tuple[dict, dict]:
         with _quiet_dcp_fallback_logs():
             dcp.load(template, checkpoint_id=str(d))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every failure becomes one line
-        raise CheckpointError(f"cannot load checkpoint {d} (does it match this model and layout?): "
-                              f"{_first_line(e)}") from e
+        why = _first_line(e)
+        damaged = isinstance(e, (ValueError, OSError)) or any(m in why for m in _DAMAGE_MARKS)
+        hint = "is it damaged or truncated?" if damaged else "does it match this model and layout?"
+        raise CheckpointError(f"cannot load checkpoint {d} ({hint}): "
+                              f"{why if len(why) <= 300 else why[:297] + '...'}") from e
     return template, harness
 
 
