@@ -57,14 +57,13 @@ def _sealed_hashes(seal_dir: Path, seal: dict, eng: Path, staged: bool = False) 
     records = [("seal.json's files", seal.get("files")),
                ("the installed copy its re-check judged", (seal.get("installed_check") or {}).get("files"))]
     state_file = seal_dir.parent / "workspace" / "forge_state.json"
-    if state_file.is_file():
+    if state_file.is_file() and not staged:  # the forge's staged copy is judged before its state names a seal
         try:
             state = json.loads(state_file.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{state_file} cannot be read ({type(e).__name__}: {e})") from None
         named = state.get("seal")
-        if not staged and (state.get("status") != "sealed" or not isinstance(named, str)
-                           or Path(named).resolve() != seal_dir):
+        if state.get("status") != "sealed" or not isinstance(named, str) or Path(named).resolve() != seal_dir:
             # the forge rewrites its state after every round: at the run's end it names the seal it wrote, and a
             # sealed/ dir it does not name was written by someone else (an agent can write anywhere the user can)
             raise ConfigError(f"{seal_dir} was not sealed by the forge run beside it ({state_file} says status "
