@@ -1,14 +1,13 @@
 """FLOPs and MFU pinned by a hand count, under both labelled conventions (forgetrain.metrics owns the formulas)."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from forgetrain import metrics
+from forgetrain.config import ModelConfig
 
 # h 64, L 2, 4 query heads / 2 KV groups (d 16), FFN 176, V 1000, s 128.
-M = SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
-                    vocab_size=1000, seq_length=128)
+M = ModelConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=176,
+                vocab_size=1000, seq_length=128)
 
 
 def hand_count(attention_per_layer_hs: int) -> int:
