@@ -9,8 +9,8 @@ recompute, optimizer offload, the kernel switches it honours) and its engine-spe
 The harness reads the tables and nothing else about a lever: the ``engine.*`` config group is the union of every
 forged engine's levers (:func:`options_class`, via :func:`forgetrain.registry.lever_specs`), each value is checked
 against its lever (:func:`value_error`), the rules of each table run in ``forgetrain.config.validate``, and the mode
-presets are derived from the table (:func:`preset`). It imports no other ForgeTrain module but the tier registry
-(a leaf), and that only when a lever is made.
+presets are derived from the table (:func:`preset`). It imports no other ForgeTrain module but two leaves: the tier
+registry when a lever is made, and ``forgetrain.errors`` when :func:`spec_of` refuses a class.
 """
 
 from __future__ import annotations
@@ -71,16 +71,23 @@ class Lever:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What an engine class implements, declared once (the class attribute ``spec``, usually its package's
-    ``levers.SPEC``).
+    """What an engine class implements, declared once: the class attribute ``spec`` of every engine, forged
+    (usually its package's ``levers.SPEC``) or reference (``references/<name>/engine.py``). The harness reads what
+    an engine implements from here alone (:func:`spec_of`); a field left at its default means not implemented.
 
     ``levers``: its ``engine.*`` switches (:class:`Lever`), in the order of the config group. ``modes``: the
-    ``engine.mode`` values it runs (None: not checked, e.g. a forge candidate). ``recompute``,
+    ``engine.mode`` values it runs (None: not checked, e.g. a forge candidate or a reference). ``recompute``,
     ``recompute_num_layers``, ``optimizer_offload``: whether it implements ``engine.recompute=full``, a block of
     recomputed layers, and ``engine.optimizer_offload_fraction > 0``. ``kernel_switches``: the ``kernels.*``
     values it honours, ``engine.mode[/device] -> {switch: values}`` (forgetrain/kernels/switches.py). ``check``:
     engine-specific rules beyond each lever's own, ``check(cfg, reference) -> None``, raising ConfigError.
-    ``model_features``: the names of :data:`MODEL_FEATURES` it implements (a config that sets another is refused)."""
+    ``model_features``: the names of :data:`MODEL_FEATURES` it implements (a config that sets another is refused).
+
+    For ``forgetrain.bench`` and ``forgetrain.verify``: ``bench_only``: a speed baseline with no per-token losses
+    or digests, which verify refuses as a reference. ``bench_side``: the bench builds it as
+    ``Engine(cfg, device, bench_side=True)``, the timed form its framework's users run (the reference's module doc
+    says what that changes). ``fixed_grad_accum``: its gradient-accumulation steps are fixed when it is built, so
+    the bench builds it again for another micro-batch split."""
 
     levers: tuple = ()
     modes: Optional[tuple] = None
@@ -90,6 +97,9 @@ class EngineSpec:
     kernel_switches: dict = field(default_factory=dict)
     check: Optional[Callable[[Any, bool], None]] = None
     model_features: tuple = ()  # the ModelConfig features beyond Llama it implements (:data:`MODEL_FEATURES`)
+    bench_only: bool = False
+    bench_side: bool = False
+    fixed_grad_accum: bool = False
 
     def lever(self, name: str) -> Lever:
         """The lever called ``name``. Raises KeyError naming the known ones."""
@@ -100,21 +110,17 @@ class EngineSpec:
 
 
 def spec_of(engine_cls) -> EngineSpec:
-    """The :class:`EngineSpec` of ``engine_cls``: its ``spec`` attribute. A class without one (a reference under
-    ``references/``, which states ``supports_recompute`` / ``supports_recompute_num_layers`` /
-    ``supports_optimizer_offload`` / ``engine_modes`` / ``kernel_switches`` as class attributes) is read into a
-    spec here, the one place those attributes are read; an attribute it lacks means not implemented."""
+    """The :class:`EngineSpec` of the engine class ``engine_cls``: its ``spec`` attribute (inherited by a
+    subclass), the one place an engine states what it implements. Raises ConfigError naming the class when it
+    declares no :class:`EngineSpec` there."""
     spec = getattr(engine_cls, "spec", None)
-    if isinstance(spec, EngineSpec):
-        return spec
-    def get(key, default):
-        return getattr(engine_cls, key, default)
+    if not isinstance(spec, EngineSpec):
+        from forgetrain.errors import ConfigError
 
-    return EngineSpec(modes=get("engine_modes", None), recompute=bool(get("supports_recompute", False)),
-                      recompute_num_layers=bool(get("supports_recompute_num_layers", False)),
-                      optimizer_offload=bool(get("supports_optimizer_offload", False)),
-                      kernel_switches=get("kernel_switches", None) or {},
-                      model_features=tuple(get("model_features", ())))
+        name = f"{getattr(engine_cls, '__module__', '?')}:{getattr(engine_cls, '__qualname__', engine_cls)}"
+        raise ConfigError(f"engine {name} declares no EngineSpec (got spec={spec!r}): give the class "
+                          f"spec = forgetrain.levers.EngineSpec(...), saying what it implements")
+    return spec
 
 
 # ModelConfig fields beyond the Llama decoder, each off at the value given here; an engine implements one only where

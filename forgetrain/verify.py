@@ -382,6 +382,7 @@ def _check_request(vcfg: VerifyConfig, tier) -> None:
     ConfigError."""
     from forgetrain import registry
     from forgetrain.equivalence.registry import PAIR
+    from forgetrain.levers import spec_of
 
     try:
         ref_cls = registry.load_engine_class("references", vcfg.reference)
@@ -389,7 +390,7 @@ def _check_request(vcfg: VerifyConfig, tier) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - an optional reference whose framework is not installed
         raise ConfigError(f"reference '{vcfg.reference}' cannot be loaded: {type(e).__name__}: {e}") from e
-    if getattr(ref_cls, "bench_only", False):
+    if spec_of(ref_cls).bench_only:
         raise ConfigError(f"references/{vcfg.reference} is a speed baseline for bench (no per-token losses or "
                           f"digests); verify against megatron, deepspeed or torchtitan")
     for name in ("steps", "curve_steps", "timing_steps"):  # named as the user set them, not as train.steps

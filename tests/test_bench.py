@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from forgetrain.levers import EngineSpec
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,6 +268,8 @@ def _sides_with_an_unrunnable_one(monkeypatch):
     real = registry.load_engine_class
 
     class _Broken:
+        spec = EngineSpec()
+
         def __init__(self, cfg, device):
             raise ImportError("cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'")
 
@@ -329,6 +332,8 @@ def test_a_side_out_of_memory_says_where_and_why_and_the_others_are_timed(monkey
     real = registry.load_engine_class
 
     class _Huge:
+        spec = EngineSpec()
+
         def __init__(self, cfg, device):
             if fail_at == "build":
                 raise torch.OutOfMemoryError(_OOM_MSG)
@@ -371,6 +376,8 @@ def test_side_recompute_reaches_the_sides_and_not_the_forged_engine(monkeypatch,
     seen = []
 
     class _Spy:
+        spec = EngineSpec()
+
         def __init__(self, cfg, device):
             seen.append(cfg.engine.recompute)
             self.inner = real("references", "megatron")(cfg, device)
@@ -527,7 +534,7 @@ class _Counted:
     """A megatron side that counts its builds and the micro-batches of its steps (class-level records)."""
 
     builds: list = []
-    fixed_grad_accum = False
+    spec = EngineSpec()
 
     def __init__(self, cfg, device):
         from forgetrain import registry
@@ -541,14 +548,14 @@ class _Counted:
 
 @pytest.mark.parametrize("fixed", [False, True])
 def test_once_builds_each_side_once_unless_its_accumulation_is_fixed(monkeypatch, fixed):
-    """One build per side for both batches; a side with ``fixed_grad_accum`` (DeepSpeed's) is built again at the
-    single micro-batch. ``on_block`` sees every side's block as it ends."""
+    """One build per side for both batches; a side whose spec has ``fixed_grad_accum`` (DeepSpeed's) is built again
+    at the single micro-batch. ``on_block`` sees every side's block as it ends."""
     import dataclasses
 
     from forgetrain import bench, registry
 
     real = registry.load_engine_class
-    counted = type("Counted", (_Counted,), {"builds": [], "fixed_grad_accum": fixed})
+    counted = type("Counted", (_Counted,), {"builds": [], "spec": EngineSpec(fixed_grad_accum=fixed)})
     monkeypatch.setattr(registry, "load_engine_class",
                         lambda kind, name: counted if name == "counted" else real(kind, name))
     cfg = _micro_cfg()

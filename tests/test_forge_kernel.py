@@ -137,7 +137,7 @@ def test_goal_only_brief_has_goal_contract_and_gate_only(tmp_path):
 
 @pytest.mark.parametrize("kernel,scenario,match", [
     ("nope", "llama1b_h200", "unknown kernel 'nope'"),
-    # the tiny engine runs exact mode only (engine_modes), so the kernel's fast-mode run is refused at its mode
+    # the tiny engine runs exact mode only (its spec's modes), so the kernel's fast-mode run is refused at its mode
     ("swiglu", "llama_tiny_cpu", "scenario=llama_tiny_cpu cannot run the kernel end to end: engine.mode=fast is not "
                                  "implemented by engine scenarios.llama_tiny_cpu.engine:Engine .*pick a scenario whose "
                                  "engine honours kernels.swiglu=triton"),

@@ -111,10 +111,42 @@ def test_capabilities_are_fields_of_the_spec():
     assert levers.spec_of(Hopper) is hopper_levers.SPEC
     assert levers.spec_of(Tiny).modes == ("exact",) and not levers.spec_of(Tiny).recompute
 
-    class Legacy:  # a reference states them as class attributes
+    class Loose:  # capabilities as loose class attributes are not read: the class declares no spec
         supports_recompute = True
 
-    assert levers.spec_of(Legacy).recompute and not levers.spec_of(Legacy).optimizer_offload
+    with pytest.raises(ConfigError, match=r"test_levers:.*Loose declares no EngineSpec"):
+        levers.spec_of(Loose)
+
+
+# What the harness once read as loose engine class attributes; each is a field of EngineSpec now.
+LOOSE_CAPABILITIES = {"supports_recompute", "supports_recompute_num_layers", "supports_optimizer_offload",
+                      "supports_bench_side", "engine_modes", "kernel_switches", "model_features", "bench_only",
+                      "fixed_grad_accum"}
+
+
+def test_every_engine_states_its_capabilities_in_its_spec_alone():
+    """No class under references/ or scenarios/ states a capability outside its spec (it would be ignored), and
+    every reference that loads here declares a spec with what its module says it implements."""
+    import ast
+
+    loose = []
+    for top in ("references", "scenarios"):
+        for f in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    names = {t.id for st in node.body if isinstance(st, (ast.Assign, ast.AnnAssign))
+                             for t in (st.targets if isinstance(st, ast.Assign) else [st.target])
+                             if isinstance(t, ast.Name)}
+                    loose += [f"{f.relative_to(ROOT)}:{node.name}.{n}" for n in sorted(names & LOOSE_CAPABILITIES)]
+    assert not loose, f"capabilities outside the spec: {loose}"
+    qwen3 = ("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels")
+    want = {"megatron": {"model_features": qwen3}, "deepspeed": {"recompute": True, "bench_side": True, "fixed_grad_accum": True},
+            "torch_compile": {"recompute": True, "recompute_num_layers": True, "bench_only": True},
+            "torch_compile_autocast": {"recompute": True, "recompute_num_layers": True, "bench_only": True},
+            "torchtitan": {"recompute": True}}  # .ci/run installs deepspeed and torchtitan
+    for name, fields in want.items():
+        spec = levers.spec_of(registry.load_engine_class("references", name))
+        assert spec == levers.EngineSpec(**fields), (name, spec)
 
 
 def test_a_lever_declares_a_known_tier_and_an_allowed_default():

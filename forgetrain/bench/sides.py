@@ -114,15 +114,16 @@ def side_label(name: str, cfg: Optional[RunConfig] = None) -> str:
 
 
 def make_side(name: str, cfg: RunConfig, device: torch.device):
-    """Build reference ``name`` as a bench side. A reference that declares ``supports_bench_side`` is built with
+    """Build reference ``name`` as a bench side. A reference whose spec declares ``bench_side`` is built with
     ``bench_side=True``: the timed form a user of that framework runs (references/deepspeed: SDPA attention, no
     gradient snapshot or per-token losses, which only the equivalence harness reads). The bench is the one place
     that says "this engine is being timed"; what that means is each reference's own (its module doc). ``cfg`` is
     the side's config (:func:`side_config`)."""
     from forgetrain import registry
+    from forgetrain.levers import spec_of
 
     cls = registry.load_engine_class("references", name)
-    if getattr(cls, "supports_bench_side", False):
+    if spec_of(cls).bench_side:
         return cls(cfg, device, bench_side=True)
     return cls(cfg, device)
 

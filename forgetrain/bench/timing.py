@@ -16,6 +16,7 @@ from forgetrain.bench.sides import (bytes_per_engine, engine_info, build_sides, 
                                     side_label, single_micro_batch_config, unavailable_reason)
 from forgetrain.bench.steps import step_batches, bench_device, say, StepTimer, rank_world
 from forgetrain.config import RunConfig, grad_accum_steps
+from forgetrain.levers import spec_of
 
 
 def reduce_over_ranks(times: dict) -> dict:
@@ -217,16 +218,16 @@ def _once_block(name: str, make, parts: list, warmup: int, steps: int, device: t
     """One side's block of :func:`once_times`: build it once (:func:`_build_side`), then for each ``(times, cfg,
     batches)`` of ``parts`` (the headline, then the single micro-batch) reset the device's peak memory, run the
     steps into ``times[name]`` and record ``times["_mem_gib"][name]`` (GiB, GPU only) and ``times["_info"][name]``;
-    a side with ``fixed_grad_accum`` (DeepSpeed) is freed and built again for the second batch. The headline's last
-    batch is profiled with ``profile_dir``. Frees the side at the end (:func:`free_device`) and prints its block
-    line (rank 0)."""
+    a side whose spec declares ``fixed_grad_accum`` (DeepSpeed) is freed and built again for the second batch. The
+    headline's last batch is profiled with ``profile_dir``. Frees the side at the end (:func:`free_device`) and
+    prints its block line (rank 0)."""
     cuda = device.type == "cuda"
     t0 = time.perf_counter()
     eng = _build_side(make, parts[0][1], state)
     t_build, notes = time.perf_counter() - t0, []
     for k, (times, cfg, batches) in enumerate(parts):
         state["part"] = k
-        if k and getattr(eng, "fixed_grad_accum", False):
+        if k and spec_of(type(eng)).fixed_grad_accum:
             del eng
             free_device(device)
             eng = _build_side(make, cfg, state)

@@ -42,7 +42,7 @@ torchtitan sides map ``engine.recompute`` onto theirs:
   which the bench prints as ``deepspeed: cannot run here: ...``).
 
 **Bench side** (``Engine(cfg, device, bench_side=True)``: what ``forgetrain.bench.make_side`` builds, since the
-class declares ``supports_bench_side``): the strongest general configuration a DeepSpeed user runs, timed without
+class's spec declares ``bench_side``): the strongest general configuration a DeepSpeed user runs, timed without
 the harness's measurement aids: HF's SDPA attention (``attn_implementation="sdpa"``: flash / cuDNN / memory-efficient kernels on
 a GPU) instead of the eager form; no pre-clip gradient snapshot (``export_hf_grads`` raises) and no per-token
 losses (``StepResult.per_token_loss`` is None). The choice lives in the bench (which knows it is timing) and is
@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from forgetrain.config import RunConfig, grad_accum_steps
 from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names, hf_param_names
+from forgetrain.levers import EngineSpec
 from forgetrain.schedule import lr_for_step
 
 GIB = 2**30
@@ -240,9 +241,11 @@ class Engine:
 
     extra = ("deepspeed", ("deepspeed", "transformers"))  # the optional install it needs (forgetrain.extras)
     bench_label = "DeepSpeed 0.19.8 with the HF Llama, bf16 + fp32 masters"
-    fixed_grad_accum = True  # gradient_accumulation_steps is fixed at build: bench.interleave=once rebuilds it
-    supports_recompute = True  # engine.recompute=full: HF activation checkpointing of every layer (module doc)
-    supports_bench_side = True  # forgetrain.bench builds it with bench_side=True: SDPA, no snapshots (module doc)
+    spec = EngineSpec(
+        recompute=True,  # engine.recompute=full: HF activation checkpointing of every layer (module doc)
+        bench_side=True,  # forgetrain.bench builds it with bench_side=True: SDPA, no snapshots (module doc)
+        fixed_grad_accum=True,  # gradient_accumulation_steps is fixed at build: bench.interleave=once rebuilds it
+    )
 
     def __init__(self, cfg: RunConfig, device: torch.device, *, bench_side: bool = False):
         self.cfg = cfg

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from forgetrain.config import RunConfig
 from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names
+from forgetrain.levers import EngineSpec
 from references.megatron import convert
 
 # megatron-core 0.16.1's TransformerConfig defaults cuda_graph_scope to "full", then warns on every construction that
@@ -70,8 +71,9 @@ class Engine:
 
     bench_label = "Megatron-core 0.16.1 local spec (no Transformer Engine)"  # forgetrain.bench's side legend
     # the ModelConfig features beyond Llama it runs (forgetrain.levers.MODEL_FEATURES): Megatron's qk_layernorm,
-    # share_embeddings_and_output_weights and kv_channels (the Qwen3 dense family)
-    model_features = ("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels")
+    # share_embeddings_and_output_weights and kv_channels (the Qwen3 dense family); it maps neither engine.recompute
+    # nor the optimizer offload, and the bench builds it as verify does
+    spec = EngineSpec(model_features=("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels"))
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg = cfg

@@ -26,9 +26,9 @@ keeps fp32 parameters (the masters are then an fp32 copy of them: plain fp32 Ada
 block in train steps (the first ``engine.recompute_num_layers`` blocks when set), as the autocast side
 (``references/torch_compile_autocast``) does; in eager mode the run is bitwise the run without it.
 
-A baseline for ``forgetrain.bench`` (``bench.against=[torch_compile]``), never a golden reference (``bench_only``).
-``references/torchao_float8_tensorwise`` and ``..._rowwise`` are this script with torchao's float8 training on
-the decoder linears (:mod:`references.torch_compile.float8`).
+A baseline for ``forgetrain.bench`` (``bench.against=[torch_compile]``), never a golden reference (its spec's
+``bench_only``). ``references/torchao_float8_tensorwise`` and ``..._rowwise`` are this script with torchao's float8
+training on the decoder linears (:mod:`references.torch_compile.float8`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from forgetrain.engine import StepResult
+from forgetrain.levers import EngineSpec
 from forgetrain.schedule import lr_for_step
 
 
@@ -155,10 +156,12 @@ class Engine:
     masters), ``fwd`` (the compiled model on CUDA, else ``model``)."""
 
     name = "torch_compile"  # the side's name (references/<name>), in error lines
-    bench_only = True  # verify refuses it: no per-token losses to judge
     bench_label = "strong plain-PyTorch script: bf16 params + fp32 masters (at bf16), fused QKV/gate-up, torch.compile"
-    supports_recompute = True  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
-    supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N blocks only
+    spec = EngineSpec(
+        bench_only=True,  # verify refuses it: no per-token losses to judge
+        recompute=True,  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
+        recompute_num_layers=True,  # engine.recompute_num_layers: the first N blocks only
+    )
 
     def __init__(self, cfg, device):
         from forgetrain.errors import ConfigError

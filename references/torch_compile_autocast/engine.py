@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forgetrain.engine import StepResult
+from forgetrain.levers import EngineSpec
 from forgetrain.schedule import lr_for_step
 from references.torch_compile.engine import Llama
 
@@ -68,10 +69,12 @@ class _Block(nn.Module):
 class Engine:
     """Benchmark baseline implementing forgetrain.engine.TrainEngine (no module probes, no digests)."""
 
-    bench_only = True  # verify refuses it: no per-token losses to judge
     bench_label = "plain PyTorch, fp32 weights under bf16 autocast, torch.compile"
-    supports_recompute = True  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
-    supports_recompute_num_layers = True  # engine.recompute_num_layers: the first N blocks only
+    spec = EngineSpec(
+        bench_only=True,  # verify refuses it: no per-token losses to judge
+        recompute=True,  # engine.recompute=full: torch.utils.checkpoint per block (module doc)
+        recompute_num_layers=True,  # engine.recompute_num_layers: the first N blocks only
+    )
 
     def __init__(self, cfg, device):
         from forgetrain.errors import ConfigError

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from forgetrain.config import RunConfig, grad_accum_steps
 from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names, hf_param_names
+from forgetrain.levers import EngineSpec
 from forgetrain.schedule import lr_for_step
 
 # Names of the RMSNorm weights in torchtitan's llama3 FQNs (attention_norm, ffn_norm, final norm): the
@@ -125,7 +126,7 @@ class Engine:
 
     extra = ("torchtitan", ("torchtitan",))  # the optional install it needs (forgetrain.extras)
     bench_label = "torchtitan 0.3.0 as a library (Llama3Model, FSDP2)"
-    supports_recompute = True  # engine.recompute=full: torchtitan's FullAC (module doc)
+    spec = EngineSpec(recompute=True)  # engine.recompute=full: torchtitan's FullAC (module doc)
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         import torch.distributed as dist
