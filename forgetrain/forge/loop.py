@@ -428,9 +428,9 @@ class _Run:
 
     def baseline(self, k: int = 0, mode: str = "baseline") -> bool | None:
         """Judge the engine at ``end_commit`` with no agent: round 0 (``baseline``, the seeded engine), or round
-        ``k`` after a resume (``mode="resumed"``: the engine of the last completed round, whose verdict the state held,
-judged again since that state is not trusted). Returns True when
-        the goal is reached, None when the run must stop (gates changed)."""
+        ``k`` after a resume (``mode="resumed"``: the engine of the last completed round, whose verdict the state
+        held, judged again since that state is not trusted). Returns True when the goal is reached, None when the
+        run must stop (gates changed)."""
         t0 = time.monotonic()
         rdir = self.out / "rounds" / str(k)
         shutil.rmtree(rdir, ignore_errors=True)
