@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from forgetrain.config import RunConfig, to_run_config
-from forgetrain.distributed import is_rank0
+from forgetrain.distributed import free_device, is_rank0
 from forgetrain.equivalence.inits import (curve_golden_traces, golden_init, golden_init_hashes, init_sha256, pin_init,
                                           write_init_hash)
-from forgetrain.equivalence.runs import release_device_memory, run_cfg
+from forgetrain.equivalence.runs import run_cfg
 from forgetrain.equivalence.verdict import REFERENCES_DIR, tier_config
 from forgetrain.errors import ConfigError
 
@@ -180,7 +180,7 @@ def curve_candidate_runs(cfg: RunConfig, vcfg: VerifyConfig, out: Path, inits: l
         (paired if kind == "paired" else unpaired).append(
             run_candidate(cfg, vq, d, vcfg.curve_steps, state, engine_cls, seed=seed, final_params=False) / "trace")
         del state
-        release_device_memory()
+        free_device()
     return CurveRuns(tuple(paired), tuple(unpaired))
 
 

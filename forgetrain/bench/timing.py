@@ -16,6 +16,7 @@ from forgetrain.bench.sides import (bytes_per_engine, engine_info, build_sides, 
                                     side_label, single_micro_batch_config, unavailable_reason)
 from forgetrain.bench.steps import step_batches, bench_device, say, StepTimer, rank_world
 from forgetrain.config import RunConfig, grad_accum_steps
+from forgetrain.distributed import free_device, release_host_cache  # noqa: F401 - bench's public names
 from forgetrain.levers import spec_of
 
 
@@ -70,20 +71,6 @@ def time_sides(cfg: RunConfig, sides: dict, steps: int, warmup: int,
     for name, eng in sides.items():
         profile_side(times, name, eng, batches[-1], device, profile_dir)
     return times
-
-
-def release_host_cache() -> bool:
-    """Give the pinned host memory that torch's caching host allocator keeps after an engine is freed back to the
-    system (``torch.accelerator.empty_host_cache``, or ``torch._C._host_emptyCache`` on older CUDA builds). Between
-    sequential blocks: the forged optimizer offload pins about 68 GiB for Llama-3-8B, which the allocator would
-    otherwise hold while the next side (e.g. DeepSpeed's ZeRO-Offload) needs host memory. True when a release
-    function was called."""
-    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
-        getattr(torch._C, "_host_emptyCache", None)
-    if fn is None or not torch.cuda.is_available():  # no device: no pinned host cache (and torch would raise)
-        return False
-    fn()
-    return True
 
 
 def sequential_times(cfg: RunConfig, against: list[str], steps: int, warmup: int, engine_cls=None,
@@ -181,23 +168,6 @@ def _run_steps(eng, batches: list, warmup: int, steps: int, device: torch.device
         if i == 0:
             first = tm.s
     return out, first
-
-
-def free_device(device: torch.device) -> Optional[float]:
-    """After the last reference to an engine is dropped: drop torch.compile's caches (``torch._dynamo.reset``: a
-    compiled side's graphs and guards go with it, and the next side compiles with a fresh recompile budget), collect
-    the engine, and give the CUDA caching allocator's free blocks and the pinned host cache back
-    (:func:`release_host_cache`). Returns the GiB still allocated on the device (what the freed side left
-    behind; None on CPU)."""
-    import gc
-
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    release_host_cache()
-    return torch.cuda.memory_allocated(device) / 2**30
 
 
 def _build_side(make, cfg: RunConfig, state: dict):

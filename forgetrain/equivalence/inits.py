@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forgetrain.distributed import is_rank0
-from forgetrain.equivalence.runs import release_device_memory, run_cfg
+from forgetrain.distributed import free_device, is_rank0
+from forgetrain.equivalence.runs import run_cfg
 from forgetrain.equivalence.verdict import tier_config
 from forgetrain.errors import ConfigError
 
@@ -108,7 +108,7 @@ def reference_init(cfg: RunConfig, vcfg: VerifyConfig, seed: int) -> dict:
     engine = build_engine(rc, device, registry.load_engine_class("references", vcfg.reference))
     state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in engine.export_hf_weights().items()}
     del engine
-    release_device_memory()
+    free_device()
     return state
 
 
@@ -169,7 +169,7 @@ def first_step_problem(cfg: RunConfig, vcfg: VerifyConfig, seed: int, state: dic
                              micro_batch_size=1),
                     kind="references", engine_name=vcfg.reference, init_hf=state, progress=False)
         got = read_trace(Path(run) / "trace")[1][0]
-    release_device_memory()
+    free_device()
     dl = abs(float(got["loss"]) - float(want["loss"]))
     dg = abs(float(got["grad_norm"]) - float(want["grad_norm"])) / max(abs(float(want["grad_norm"])), 1e-12)
     seen = (f"step 1 loss {got['loss']:.6f} vs the trace's {want['loss']:.6f}, grad norm {got['grad_norm']:.6f} vs "

@@ -1,6 +1,7 @@
 """How verify sets up the engine runs it compares, shared by :mod:`forgetrain.verify` and
 :mod:`forgetrain.equivalence.inits` (and by the forge and the references that make verify's runs themselves):
-the run config cut to a number of steps, and the device freed between two engines in one process."""
+the run config cut to a number of steps (the device is freed between two engines by
+:func:`forgetrain.distributed.free_device`)."""
 
 from __future__ import annotations
 
@@ -30,18 +31,3 @@ def run_cfg(cfg: RunConfig, out: Path, **train_overrides) -> RunConfig:
                                   **train_overrides)
     c.logger = dataclasses.replace(c.logger, name="none", plots=False)
     return c
-
-
-def release_device_memory() -> None:
-    """Between two engines in one process: drop the finished one's compiled graphs and cached device memory, so
-    the next one starts with the device's memory free (on CUDA: ``torch._dynamo.reset`` and
-    ``torch.cuda.empty_cache`` after a garbage collection; on the CPU only the collection)."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch._dynamo.reset()  # compiled frames keep the finished engine's modules alive
-        gc.collect()
-        torch.cuda.empty_cache()
