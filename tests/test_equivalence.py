@@ -12,59 +12,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from forgetrain.engine import forward_names, hf_param_names
 from forgetrain.equivalence.tiers.loss_curve import CurveRuns
 from forgetrain.equivalence import (TIER_ORDER, Verdict, bitwise, ladder, load_tier, loss_curve,
                                     print_verdict_table, surpass, t_quantile, tolerance, write_report)
 from forgetrain.errors import ConfigError
-from forgetrain.trace import TraceWriter, tensor_digest
+from forgetrain.trace import tensor_digest
+from tests.equivalence_helpers import MODULES, PARAMS, base_run, seeded_tensor as _tensor, write_run
 from tests.helpers import curve as _curve, paired as _paired, perturb as _perturb, timings as _timings, write_curve as _write_curve
-
-NUM_LAYERS = 2
-PARAMS = hf_param_names(NUM_LAYERS)
-MODULES = list(forward_names(NUM_LAYERS))
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-
-
-def _tensor(seed: int, shape=(4, 4)) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g)
-
-
-def base_run(n_steps: int = 6, digests: bool = True) -> dict:
-    """A synthetic run: records (with digests), step-1 module probes and final params."""
-    records = []
-    for s in range(1, n_steps + 1):
-        rec = {"step": s, "loss": 5.0 / (1 + 0.1 * s) + 1e-3 * math.sin(s), "grad_norm": 1.0 / s + 0.25,
-               "lr": 3e-3 * s / 10, "tokens": 2048 * s, "step_s": 0.1}
-        if digests:
-            rec["digests"] = {
-                "per_token_loss": tensor_digest(_tensor(1000 + s, (2, 8))),
-                "grads": {n: tensor_digest(_tensor(10_000 * s + i)) for i, n in enumerate(PARAMS)},
-                "params": {n: tensor_digest(_tensor(20_000 * s + i)) for i, n in enumerate(PARAMS)},
-            }
-        records.append(rec)
-    modules = {m: {"fwd": tensor_digest(_tensor(30_000 + i)), "fwd_l2": 10.0 + i,
-                   "grad": tensor_digest(_tensor(40_000 + i)), "grad_l2": 0.1 * (i + 1)}
-               for i, m in enumerate(MODULES)}
-    final = {n: _tensor(50_000 + i, (4,) if "norm" in n else (4, 4)) * 0.02 + (1.0 if "norm" in n else 0.0)
-             for i, n in enumerate(PARAMS)}
-    return {"records": records, "modules": modules, "final": final, "precision": "fp32"}
-
-
-def write_run(d, run: dict):
-    w = TraceWriter(d, {"side": "test", "scenario": "synthetic", "config_hash": "x",
-                        "precision": run["precision"], "steps": len(run["records"])})
-    for r in run["records"]:
-        w.append(r)
-    w.flush()
-    if run.get("modules") is not None:
-        w.write_modules(run["modules"])
-    if run.get("final") is not None:
-        w.write_final_params(run["final"])
-    return d
 
 
 @pytest.fixture

@@ -24,11 +24,10 @@ from pathlib import Path
 import pytest
 
 from forgetrain import equivalence as eq
-from forgetrain.config import EngineOptions, KernelsConfig
 from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.helpers import ladder_cfg as _cfg
+from tests.helpers import fast_cfg, ladder_cfg as _cfg
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,15 +47,6 @@ ENGINE = {  # name -> engine.* overrides beyond fast mode, for the switches that
     "triton_onepass": {"onepass_optimizer": True},
 }
 LADDER = ["bitwise", "tolerance", "loss_curve", "surpass"]  # strictest first
-
-
-def fast_cfg(kernels: dict, engine: dict | None = None, **model):
-    c = _cfg()
-    if model:
-        c = dataclasses.replace(c, model=dataclasses.replace(c.model, **model))
-    return dataclasses.replace(c, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24,
-                                                       **(engine or {})),
-                               kernels=KernelsConfig(**kernels))
 
 
 def run_switch(name: str, ref: str, out: str, engine_cls=None, **model) -> None:

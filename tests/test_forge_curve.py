@@ -16,7 +16,7 @@ import json
 import pytest
 
 from forgetrain.forge.loop import forge
-from tests.test_forge import agent_for, data_cache, fake_gates, log_of, micro_rc, options  # noqa: F401
+from tests.forge_helpers import agent_for, data_cache, fake_gates, log_of, micro_rc, options  # noqa: F401
 
 
 @pytest.fixture(scope="module")

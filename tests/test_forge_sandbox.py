@@ -25,7 +25,7 @@ import pytest
 from forgetrain.forge import sandbox
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.loop import forge
-from tests.test_forge import StubLadder, agent_for, fake_gates, log_of, micro_rc, options
+from tests.forge_helpers import StubLadder, agent_for, fake_gates, log_of, micro_rc, options
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent

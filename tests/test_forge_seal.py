@@ -37,7 +37,7 @@ from forgetrain.errors import ConfigError
 from forgetrain.forge import isolate, recheck, sandbox, secret
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.loop import forge
-from tests.test_forge import agent_for, data_cache, fake_gates, log_of, micro_rc, options  # noqa: F401 (a fixture)
+from tests.forge_helpers import agent_for, data_cache, fake_gates, log_of, micro_rc, options  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS = [  # (patch, class, label, what a problem line names)
@@ -128,7 +128,7 @@ def test_a_forged_state_is_judged_again_on_resume(tmp_path, data_cache):
     loss_curve verdict no gate gave) and kills the forge; the user resumes. The verdict read back is not trusted:
     the engine is judged again in a round of its own, passes the gated runs, and its installed copy's plain user
     run rejects it (class 6). Nothing is sealed."""
-    from tests.test_forge import forge_cli
+    from tests.forge_helpers import forge_cli
 
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"rounds": {"1": ["escape_resume_state"]}}))

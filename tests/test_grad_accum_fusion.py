@@ -198,7 +198,7 @@ FUSED_DP2 = ["scenario=llama1b_h200", "hardware=cpu", "model=llama_micro", "trai
 @pytest.fixture(scope="module")
 def fused_dp2(tmp_path_factory):
     from tests.helpers import session_cache as _cache
-    from tests.test_parallel import Runs, run_jobs
+    from tests.helpers import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("fused_dp2")
     d = {n: tmp / n for n in ("ref", "ref_z1", "fused", "fused_z1", "stale_z1")}

@@ -109,7 +109,7 @@ class HopperNoDPScale(Hopper):
 @pytest.fixture(scope="module")
 def hopper_dp2(tmp_path_factory):
     from tests.helpers import session_cache as _cache
-    from tests.test_parallel import Runs, run_jobs
+    from tests.helpers import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("hopper_dp2")
     names = [f"{side}{z}_{p}" for side in ("ref", "cand") for z in ("", "_z1") for p in ("fp32", "bf16")]

@@ -20,7 +20,7 @@ from forgetrain import memory
 from forgetrain.config import validate
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.helpers import hopper_cfg as _cfg_for, same_run as _same
-from tests.test_recompute import check_resumes_bitwise
+from tests.helpers import check_resumes_bitwise
 
 BOTH = {"recompute": "full", "bf16_weights": "per_layer"}
 

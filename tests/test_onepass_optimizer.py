@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton")
 
 def _engine(precision: str, onepass: bool, clip: float):
     from scenarios.llama1b_h200.engine import Engine
-    from tests.test_fast_tiers import fast_cfg
+    from tests.helpers import fast_cfg
 
     # smaller than llama_micro: the interpreter runs one Python program per 256-element block of every tensor
     c = fast_cfg({"adamw": "triton"}, {"onepass_optimizer": onepass}, vocab_size=256, hidden_size=32,
@@ -116,7 +116,7 @@ def test_onepass_needs_fast_triton_and_no_zero():
     from forgetrain.config import validate
     from forgetrain.errors import ConfigError
     from scenarios.llama1b_h200.engine import Engine as Hopper
-    from tests.test_fast_tiers import fast_cfg
+    from tests.helpers import fast_cfg
 
     # The tiny default scenario honours no kernel switch: the check is of the Hopper engine that runs this option.
     for kernels, engine in (({"adamw": "fused"}, {}), ({"adamw": "triton"}, {"mode": "exact"})):

@@ -27,7 +27,7 @@ from forgetrain.errors import ConfigError
 from scenarios._llama import optim
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.helpers import hopper_cfg as _cfg_for, same_run as _same, train_hopper as _train
-from tests.test_recompute import check_resumes_bitwise
+from tests.helpers import check_resumes_bitwise
 
 
 @pytest.fixture

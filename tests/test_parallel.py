@@ -43,6 +43,7 @@ import pytest
 from forgetrain import equivalence as eq
 from tests.limits import hang_s
 from tests.helpers import free_port as _free_port, session_cache as _cache
+from tests.helpers import Runs, launch_errors as _errors, run_jobs, torchrun, torchrun_env as _env
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8
@@ -55,44 +56,6 @@ TP2 = ["parallel=tp2", *TP_BASE]
 FSDP = ["parallel=fsdp2", *BASE]
 MEAN = ["parallel.report_loss=dp_mean"]
 M = "tests.parallel_mutants:"
-
-
-def _env(cache: str, **extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FORGETRAIN_CACHE=cache, OMP_NUM_THREADS="1")
-    env.update(extra)
-    return env
-
-
-def torchrun(argv: list[str], env: dict, timeout: float | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), *argv]
-    return subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout or hang_s())
-
-
-def _errors(p: subprocess.CompletedProcess) -> str:
-    lines = [x for x in p.stderr.splitlines() if "Warning" not in x and not x.startswith("W11")]
-    return "\n".join(lines[-60:])
-
-
-def run_jobs(jobs: list[dict], tmp: Path, cache: str) -> subprocess.CompletedProcess:
-    spec = tmp / f"jobs_{len(list(tmp.glob('jobs_*.json')))}.json"
-    spec.write_text(json.dumps(jobs))
-    return torchrun(["-m", "tests.parallel_worker", str(spec)], _env(cache))
-
-
-class Runs(dict):
-    """``name -> output dir`` of one launch; indexing a run whose trace is missing fails with the launch's log
-    (so one broken job fails its own tests, not the module)."""
-
-    def __init__(self, dirs: dict, proc: subprocess.CompletedProcess, launch_s: float):
-        super().__init__(dirs)
-        self.proc, self.launch_s = proc, launch_s
-
-    def __getitem__(self, name: str) -> Path:
-        out = super().__getitem__(name)
-        if not (out / "trace" / "trace.jsonl").exists():
-            pytest.fail(f"run {name!r} did not finish (launch rc={self.proc.returncode}):\n{_errors(self.proc)}")
-        return out
 
 
 def bitwise(ref: Path, cand: Path):

@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 
-from tests.test_ladder import ROOT
+from tests.helpers import ROOT
 
 spec = importlib.util.spec_from_file_location("profile_top", ROOT / "scripts" / "profile_top.py")
 pt = importlib.util.module_from_spec(spec)

@@ -237,7 +237,7 @@ def test_forge_brief_names_the_model_features():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_qwen3_dp2_is_bitwise_vs_reference_dp2(tmp_path_factory, precision):
     from tests.helpers import session_cache
-    from tests.test_parallel import run_jobs
+    from tests.helpers import run_jobs
 
     tmp = tmp_path_factory.mktemp(f"qwen3_dp2_{precision}")
     over = ["scenario=qwen3_tiny_cpu", "model=qwen3_micro", "train.deterministic=true", "train.micro_batch_size=2",

@@ -30,8 +30,7 @@ from scenarios._llama import recompute
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.helpers import ladder_cfg as _cfg
 from tests.helpers import hopper_cfg as _cfg_for, same_run as _same, train_hopper as _train
-
-BOTH = {"recompute": "full", "bf16_weights": "per_layer"}
+from tests.helpers import BOTH, check_resumes_bitwise
 
 
 def test_exact_mode_with_recompute_and_per_layer_weights_is_bitwise_vs_reference(tmp_path):
@@ -219,32 +218,6 @@ def test_a_reference_run_ignores_the_candidate_memory_layout():
     validate(c, reference=True)
     with pytest.raises(ConfigError, match="needs engine.recompute=full"):
         validate(c, engine_cls=Hopper)
-
-
-def check_resumes_bitwise(cfg, resume_cfg=None) -> Hopper:
-    """Raises AssertionError unless saving the Hopper engine's state after 2 of 3 steps (what the DCP checkpoint
-    holds) and loading it into a fresh engine (built from ``resume_cfg``, default ``cfg``) resumes to the same
-    losses and weights as an uninterrupted run. Returns the uninterrupted engine."""
-    init = Hopper(cfg, "cpu").export_hf_weights()
-    torch.manual_seed(1)
-    mbs = [[torch.randint(0, 256, (2, 33)) for _ in range(2)] for _ in range(3)]
-    whole = Hopper(cfg, "cpu")
-    whole.load_hf_weights(init)
-    losses = [whole.train_step(m).loss for m in mbs]
-    first = Hopper(cfg, "cpu")
-    first.load_hf_weights(init)
-    head = [first.train_step(m).loss for m in mbs[:2]]
-
-    def clone(x):
-        return {k: clone(v) for k, v in x.items()} if isinstance(x, dict) else x.clone()
-
-    resumed = Hopper(resume_cfg or cfg, "cpu")
-    resumed.load_state_dict(clone(first.state_dict()))
-    tail = [resumed.train_step(mbs[2]).loss]
-    assert head + tail == losses
-    a, b = whole.export_hf_weights(), resumed.export_hf_weights()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    return whole
 
 
 def test_per_layer_state_dict_round_trip_resumes_bitwise():

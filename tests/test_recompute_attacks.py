@@ -27,7 +27,7 @@ from forgetrain.run.loop import Probe
 from scenarios._llama import recompute
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.helpers import hopper_cfg as _cfg_for
-from tests.test_recompute import BOTH
+from tests.helpers import BOTH
 
 
 def _micro_batches(n: int, seed: int = 0) -> list[torch.Tensor]:

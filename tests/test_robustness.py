@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import FAST, records, run
+from tests.helpers import FAST, records, run, stand_in_task
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -643,19 +643,6 @@ def test_errors_found_after_hydra_started_write_nothing(finished, tmp_path):
     assert p.returncode == 2 and "already holds a run" in _last_line(p), p.stderr[-1500:]
     assert (done / ".hydra" / "config.yaml").read_text() == before
     assert not list(done.glob("*.log"))
-
-
-def stand_in_task(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """Run the training entry point (``run_hydra``) with a task whose one line is ``body`` (``torch``, ``errno``
-    imported), out_dir ``tmp_path/run``."""
-    code = ("import errno, sys, torch\n"
-            "from forgetrain.cli import run_hydra\n"
-            "def task(cfg):\n"
-            f"    {body}\n"
-            "run_hydra('config', task, sys.argv[1:])\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", code, f"train.out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                          text=True, capture_output=True, timeout=hang_s())
 
 
 def test_device_out_of_memory_is_one_line(tmp_path):

@@ -23,7 +23,7 @@ from forgetrain.equivalence.registry import CURVE, PAIR, SPEED, Tier
 from forgetrain.errors import ConfigError
 from forgetrain.forge import _ladder
 from tests.helpers import curve as _curve, paired as _paired, perturb as _perturb, timings as _timings, write_curve as _write_curve
-from tests.test_equivalence import base_run, write_run
+from tests.equivalence_helpers import base_run, write_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILTIN = ("bitwise", "tolerance", "loss_curve", "surpass")

@@ -22,12 +22,12 @@ from forgetrain.data.prepare import train_tokenizer
 from forgetrain.data.tokenizer_hf import HFTokenizer
 from forgetrain.data.tokenizer_sp import SentencePieceTokenizer
 from forgetrain.errors import DataError
-from tests.test_data import paragraphs as _paragraphs
+from tests.helpers import paragraphs as _paragraphs
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parents[1]
 def paragraphs(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct six-line paragraphs with non-ASCII text (tests.test_data's corpus)."""
+    """``n`` distinct six-line paragraphs with non-ASCII text (tests.helpers' corpus)."""
     return _paragraphs(n, seed, lines=6)
 
 

@@ -268,7 +268,7 @@ DP2 = ["model=llama_micro", "parallel=fsdp2", "parallel.report_loss=dp_mean", "t
 @pytest.fixture(scope="module")
 def tt_dp2(tmp_path_factory):
     from tests.helpers import session_cache as _cache
-    from tests.test_parallel import Runs, run_jobs
+    from tests.helpers import Runs, run_jobs
 
     tmp = tmp_path_factory.mktemp("tt_dp2")
     d = {n: tmp / n for n in ("ref", "cand")}

@@ -10,24 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import FAST, records, run
 from tests.limits import hang_s
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["model=llama_micro", "train.steps=6", "train.lr_warmup_steps=1", "train.micro_batch_size=4",
-        "train.global_batch_size=8", "train.eval_interval=3", "train.eval_iters=2", "train.sample_tokens=8",
-        "train.save_interval=3"]
-
-
-def run(args, cwd=None, timeout=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "forgetrain", *args], cwd=cwd or ROOT, env=env, text=True,
-                          capture_output=True, timeout=timeout or hang_s())
-
-
-def records(out: Path):
-    return [json.loads(x) for x in (out / "trace" / "trace.jsonl").read_text().splitlines()]
-
-
 NUMERIC = ("step", "loss", "grad_norm", "lr", "tokens", "val_loss", "digests")
 
 
