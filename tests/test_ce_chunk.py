@@ -25,11 +25,11 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from forgetrain import kernels  # noqa: E402
-from forgetrain.config import EngineOptions, KernelsConfig, validate as validate_config  # noqa: E402
+from forgetrain.config import validate as validate_config  # noqa: E402
 from forgetrain.errors import ConfigError  # noqa: E402
 from forgetrain.kernels.validate import validate  # noqa: E402
-from tests.helpers import ladder_cfg as _cfg  # noqa: E402
 from tests.limits import hang_s  # noqa: E402
+from tests.switch_helpers import ce_chunk_cfg as _engine_cfg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ce_m = kernels.module_of("ce_chunk")
@@ -129,42 +129,10 @@ def test_public_function_refuses_bad_inputs():
         ce_m.ce_chunk(z, lab, 0.25, block=12)
 
 
-def _engine_cfg(ce_chunk: str, cross_entropy: str = "chunked"):
-    c = _cfg()
-    return dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=256),
-                               engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24),
-                               kernels=KernelsConfig(cross_entropy=cross_entropy, ce_chunk=ce_chunk))
-
-
-def check_engine_matches_torch(steps: int = 3) -> None:
-    """The Hopper engine (fast, fp32, vocab 256, 24-token chunks) from the same weights, ``kernels.ce_chunk``
-    triton vs torch: every step's loss and grad norm within 1e-4 relative (the step-1 bound of the switch tests,
-    tests/test_hopper_cpu.py), and the Triton kernel actually ran once per chunk."""
-    from scenarios.llama1b_h200.engine import Engine as Hopper
-
-    torch.manual_seed(0)
-    mbs = [torch.randint(0, 256, (2, 33)) for _ in range(2)]
-    ref = Hopper(_engine_cfg("torch"), "cpu")
-    weights = ref.export_hf_weights()
-    cand = Hopper(_engine_cfg("triton"), "cpu")
-    cand.load_hf_weights(weights)
-    calls = []
-    real = kernels.ce_chunk
-    kernels.ce_chunk = lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
-    try:
-        for step in range(1, steps + 1):
-            a, b = ref.train_step(mbs), cand.train_step(mbs)
-            assert abs(b.loss - a.loss) <= 1e-4 * a.loss, (step, b.loss, a.loss)
-            assert abs(b.grad_norm - a.grad_norm) <= 1e-4 * a.grad_norm, (step, b.grad_norm, a.grad_norm)
-    finally:
-        kernels.ce_chunk = real
-    assert len(calls) == steps * len(mbs) * -(-2 * 32 // 24), calls  # every chunk of every micro-batch
-
-
 def test_engine_switch_matches_torch():
     """``check_engine_matches_torch`` in its own process (Triton 3.6's interpreter keeps state between kernels in
     one process; see tests/test_hopper_cpu.py)."""
-    p = subprocess.run([sys.executable, "-c", "import tests.test_ce_chunk as t; t.check_engine_matches_torch()"],
+    p = subprocess.run([sys.executable, "-c", "import tests.switch_helpers as t; t.check_engine_matches_torch()"],
                        cwd=ROOT, capture_output=True, text=True, timeout=hang_s(),
                        env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr[-3000:]

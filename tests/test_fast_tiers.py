@@ -25,35 +25,13 @@ import pytest
 
 from forgetrain import equivalence as eq
 from forgetrain.kernels import switches
-from forgetrain.verify import VerifyConfig, run_candidate, run_reference
-from scenarios.llama1b_h200.engine import Engine as Hopper
-from tests.helpers import fast_cfg, ladder_cfg as _cfg
+from forgetrain.verify import VerifyConfig, run_reference
+from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
+from tests.switch_helpers import FAST_TIER_STEPS as STEPS, FAST_TIER_SWITCHES as SWITCHES, run_switch
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 4
-FAST_BASE = ["batch_first_layout", "sdpa_attention"]
-SWITCHES = {  # name -> (kernels.* overrides, the optimisations.yaml entries switched on besides kernel switches)
-    "fast_torch": ({"cross_entropy": "torch"}, FAST_BASE),
-    # every kernel switch value the fast engine honours on CPU, from forgetrain/kernels/switches.py (tier there)
-    **{name: (kv, FAST_BASE) for name, kv, _ in switches.matrix(Hopper, "fast", "cpu")},
-    "grad_accum_fusion": ({"cross_entropy": "chunked"}, FAST_BASE + ["grad_accum_fusion"]),
-    "grad_accum_fusion_torch_ce": ({"cross_entropy": "torch"}, FAST_BASE + ["grad_accum_fusion"]),
-    "triton_onepass": ({"adamw": "triton"}, FAST_BASE + ["onepass_optimizer"]),
-}
-ENGINE = {  # name -> engine.* overrides beyond fast mode, for the switches that are engine options
-    "grad_accum_fusion": {"grad_accum_fusion": True},
-    "grad_accum_fusion_torch_ce": {"grad_accum_fusion": True},
-    "triton_onepass": {"onepass_optimizer": True},
-}
 LADDER = ["bitwise", "tolerance", "loss_curve", "surpass"]  # strictest first
-
-
-def run_switch(name: str, ref: str, out: str, engine_cls=None, **model) -> None:
-    """Train the fast Hopper engine (or ``engine_cls``) with switch ``name`` from ``ref``'s init for STEPS steps
-    into ``out``."""
-    run_candidate(fast_cfg(SWITCHES[name][0], ENGINE.get(name), **model), VerifyConfig(steps=STEPS), Path(out),
-                  STEPS, Path(ref) / "init.safetensors", engine_cls or Hopper)
 
 
 def declared(entries: list[str], kernels: dict) -> str:
@@ -79,7 +57,7 @@ def _candidate(name: str, ref: Path, out: Path, **model) -> Path:
         run_switch(name, str(ref), str(out), **model)
         return out
     pytest.importorskip("forgetrain.kernels._triton")
-    code = f"from tests.test_fast_tiers import run_switch; run_switch({name!r}, {str(ref)!r}, {str(out)!r})"
+    code = f"from tests.switch_helpers import run_switch; run_switch({name!r}, {str(ref)!r}, {str(out)!r})"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=hang_s())

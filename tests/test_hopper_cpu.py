@@ -9,15 +9,14 @@ CI can run.
 import dataclasses
 
 import pytest
-import torch
 
 from forgetrain import equivalence as eq
 from forgetrain.config import EngineOptions, KernelsConfig
-from forgetrain.kernels import switches
 from forgetrain.verify import VerifyConfig, run_candidate, run_reference
 from scenarios.llama1b_h200.engine import Engine as Hopper
 from tests.helpers import ladder_cfg as _cfg
 from tests.limits import hang_s
+from tests.switch_helpers import HOPPER_CPU_SWITCHES as SWITCHES, check_switch
 
 
 def _exact(**train):
@@ -32,33 +31,6 @@ def test_exact_mode_is_bitwise_vs_reference(precision, tmp_path):
     cand = run_candidate(cfg, VerifyConfig(steps=3), tmp_path / "cand", 3, ref / "init.safetensors", Hopper)
     v = eq.bitwise(ref / "trace", cand / "trace", eq.load_tier("bitwise"))
     assert v.passed, v.summary
-
-
-def _fast(kernels: KernelsConfig, precision="fp32"):
-    c = _cfg(precision=precision)
-    m = dataclasses.replace(c.model, vocab_size=256)
-    return dataclasses.replace(c, model=m, engine=EngineOptions(mode="fast", compile=False, ce_chunk_tokens=24),
-                               kernels=kernels)
-
-
-SWITCHES = {  # every kernel switch value the fast engine honours on CPU (forgetrain/kernels/switches.py)
-    "all_torch": KernelsConfig(cross_entropy="torch"),
-    **{name: KernelsConfig(**kv) for name, kv, _ in switches.matrix(Hopper, "fast", "cpu")},
-}
-
-
-def check_switch(name: str) -> None:
-    """Step-1 loss equals the plain fp32 path's, and the loss falls over 6 more steps."""
-    torch.manual_seed(0)
-    mbs = [torch.randint(0, 256, (2, 33)) for _ in range(2)]
-    base = Hopper(_fast(KernelsConfig(), "fp32"), "cpu")
-    ref_loss = base.eval_loss(mbs)
-    eng = Hopper(_fast(SWITCHES[name]), "cpu")
-    eng.load_hf_weights(base.export_hf_weights())
-    first = eng.train_step(mbs)
-    assert abs(first.loss - ref_loss) < 1e-4 * ref_loss, (first.loss, ref_loss)
-    losses = [eng.train_step(mbs).loss for _ in range(6)]
-    assert losses[-1] < first.loss - 0.05, losses
 
 
 # The Triton switches are slow under the CPU interpreter (20-60 s each) and each is already judged at the tolerance
@@ -78,7 +50,7 @@ def test_fast_mode_switches_match_exact_at_step1_and_train(name):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    p = subprocess.run([sys.executable, "-c", f"import tests.test_hopper_cpu as t; t.check_switch({name!r})"],
+    p = subprocess.run([sys.executable, "-c", f"import tests.switch_helpers as t; t.check_switch({name!r})"],
                        cwd=root, capture_output=True, text=True, timeout=hang_s())
     assert p.returncode == 0, p.stderr[-3000:]
 

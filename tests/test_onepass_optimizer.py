@@ -24,48 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
 
 
-def _engine(precision: str, onepass: bool, clip: float):
-    from scenarios.llama1b_h200.engine import Engine
-    from tests.helpers import fast_cfg
-
-    # smaller than llama_micro: the interpreter runs one Python program per 256-element block of every tensor
-    c = fast_cfg({"adamw": "triton"}, {"onepass_optimizer": onepass}, vocab_size=256, hidden_size=32,
-                 ffn_hidden_size=64, num_layers=1, seq_length=16)
-    c = dataclasses.replace(c, train=dataclasses.replace(c.train, precision=precision, clip_grad=clip))
-    return Engine(c, "cpu")
-
-
-def compare(precision: str, drop_scale: bool = False) -> None:
-    """Train both paths 2 steps (micro-batch 2 x grad-accum 2) from one init; print the first difference or 'same'."""
-    import torch
-
-    import forgetrain.kernels as K
-
-    if drop_scale:  # a wrong kernel: the clip coefficient never reaches the update
-        real = K.adamw_step
-        K.adamw_step = lambda *a, grad_scale=None, **k: real(*a, **k)
-    a, b = _engine(precision, False, 1e-3), _engine(precision, True, 1e-3)
-    b.load_hf_weights(a.export_hf_weights())
-    g = torch.Generator().manual_seed(0)
-    seq, vocab = a.mcfg.seq_length, a.mcfg.vocab_size
-    for step in range(2):
-        mbs = [torch.randint(0, vocab, (2, seq + 1), generator=g) for _ in range(2)]
-        ra, rb = a.train_step(mbs), b.train_step(mbs)
-        assert ra.grad_norm > 1e-3 * 10, f"clipping not active: grad norm {ra.grad_norm}"
-        if ra.grad_norm != rb.grad_norm or ra.loss != rb.loss:
-            print(f"differ at step {step + 1}: grad_norm {ra.grad_norm} vs {rb.grad_norm}, loss {ra.loss} vs {rb.loss}")
-            return
-        na, nb = a._named(), b._named()
-        for k in a.main:
-            for what, x, y in (("main", a.main[k], b.main[k]), ("model", na[k].data, nb[k].data),
-                               ("exp_avg", a.adam_state[k]["exp_avg"], b.adam_state[k]["exp_avg"]),
-                               ("exp_avg_sq", a.adam_state[k]["exp_avg_sq"], b.adam_state[k]["exp_avg_sq"])):
-                if not torch.equal(x, y):
-                    print(f"differ at step {step + 1}: {what} {k}")
-                    return
-    print("same")
-
-
 def _run(code: str) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -76,11 +34,11 @@ def _run(code: str) -> str:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_onepass_is_bitwise_the_separate_passes(precision):
-    assert _run(f"from tests.test_onepass_optimizer import compare; compare({precision!r})") == "same"
+    assert _run(f"from tests.switch_helpers import compare_onepass; compare_onepass({precision!r})") == "same"
 
 
 def test_a_kernel_that_ignores_the_clip_coefficient_is_caught():
-    out = _run("from tests.test_onepass_optimizer import compare; compare('bf16', drop_scale=True)")
+    out = _run("from tests.switch_helpers import compare_onepass; compare_onepass('bf16', drop_scale=True)")
     assert out.startswith("differ at step 1"), out
 
 
