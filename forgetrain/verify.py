@@ -17,8 +17,9 @@ pass, 1 on a failure (2 on bad input). The tiers, and which runs each needs (its
 * ``verify.resume_at=K`` stops the forged run at step K, resumes it from its checkpoint and judges the resumed
   trace (the "resume" gate).
 * ``loss_curve`` runs the reference with every seed in ``verify.seeds`` (>= 3) to calibrate the band;
-  ``surpass`` adds a side-by-side timing of the two engines in this process (``forgetrain.bench``: interleaved
-  A/B when both fit in device memory, else A-B-A blocks).
+  ``surpass`` adds a side-by-side timing in this process of the candidate, the reference and the strongest peer of
+  the candidate's precision (``peers`` of ``conf/tier/surpass.yaml``; ``forgetrain.bench``: interleaved when all
+  fit in device memory, else A-B-A blocks).
 """
 
 from __future__ import annotations
@@ -220,12 +221,12 @@ def candidate_trace(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Pat
 
 
 def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand, out: Path | None = None, *,
-          oracle: Path | None = None, times: tuple[list, list] | None = None) -> list:
+          oracle: Path | None = None, times: tuple | None = None) -> list:
     """The verdicts of ``tier_name`` from traces alone (no engine runs here): ``refs`` are the reference trace
     dirs (one for a pair tier, one per seed for a curve or speed tier), ``cand`` the candidate's trace dir (a
     curve or speed tier also takes a ``CurveRuns`` of paired and unpaired runs), ``oracle`` the
     fp32 oracle trace (a pair tier with ``oracle``, reduced precision), ``times`` (reference step seconds,
-    candidate step seconds) for a speed tier, whose curve tier's verdict comes first. Writes the report into
+    candidate step seconds[, peer name -> step seconds]) for a speed tier, whose curve tier's verdict comes first. Writes the report into
     ``out`` when given (rank 0). Raises ValueError when a speed tier gets no timings."""
     from forgetrain import equivalence as eq
     from forgetrain.equivalence import registry
@@ -243,7 +244,8 @@ def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand, out: Path | No
             raise ValueError(f"the {tier.name} tier needs the step times of both engines")
         curve = registry.find(tier.rests_on)
         verdicts = [curve.judge()(refs, cand, dict(eq.load_tier(curve.name)))]
-        verdicts.append(tier.judge()(verdicts[0], times[0], times[1], tier_cfg))
+        peers = {"timings_peers": times[2]} if len(times) > 2 else {}
+        verdicts.append(tier.judge()(verdicts[0], times[0], times[1], tier_cfg, **peers))
     if out is not None and is_rank0():
         eq.write_report(verdicts, out, refs, cand.first if isinstance(cand, CurveRuns) else cand)
     return verdicts
@@ -314,7 +316,11 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     if tier.kind == registry.SPEED:
         from forgetrain.bench import side_by_side_step_times
 
-        times = side_by_side_step_times(cfg, vcfg.reference, vcfg.timing_steps, engine_cls=engine_cls)
+        from forgetrain.equivalence.tiers.surpass import peers_for
+
+        peers = peers_for(tier_cfg, fp8=str(getattr(cfg.engine, "fp8", "none")) != "none")
+        t = side_by_side_step_times(cfg, [vcfg.reference, *peers], vcfg.timing_steps, engine_cls=engine_cls)
+        times = (t[vcfg.reference], t["forged"], {n: t[n] for n in peers})
     return judge(tier_name, tier_cfg, refs, cand, out, times=times)
 
 

@@ -302,7 +302,7 @@ def test_surpass_timing_against_an_unrunnable_reference_is_a_config_error(monkey
 
     _sides_with_an_unrunnable_one(monkeypatch)
     with pytest.raises(ConfigError, match="broken cannot run here .*DataParallelMeshDims.*no speed comparison"):
-        bench.side_by_side_step_times(_micro_cfg(), "broken", steps=1, warmup=0)
+        bench.side_by_side_step_times(_micro_cfg(), ["broken"], steps=1, warmup=0)
 
 
 def test_build_sides_without_a_store_raises_the_import_error(monkeypatch):

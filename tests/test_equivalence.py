@@ -535,6 +535,7 @@ def test_t_quantile_matches_tables():
 PASS = Verdict("loss_curve", True, "ok", {"mode": "paired+unpaired"})
 FAIL = Verdict("loss_curve", False, "drift", {"mode": "paired+unpaired"})
 UNPAIRED_PASS = Verdict("loss_curve", True, "ok", {"mode": "unpaired"})
+PEER = {"torch_compile": _timings(2, 1.0)}  # the strongest peer, as slow as the reference here
 
 
 def test_surpass_rests_on_the_paired_test():
@@ -542,12 +543,12 @@ def test_surpass_rests_on_the_paired_test():
     however fast the candidate; a pair tier's verdict is paired by construction."""
     v = surpass(UNPAIRED_PASS, _timings(0, 1.0), _timings(1, 0.7))
     assert not v.passed and "unpaired only" in v.summary
-    assert surpass(Verdict("tolerance", True, "ok"), _timings(0, 1.0), _timings(1, 0.7)).passed
-    assert surpass(UNPAIRED_PASS, _timings(0, 1.0), _timings(1, 0.7), {"require_paired": False}).passed
+    assert surpass(Verdict("tolerance", True, "ok"), _timings(0, 1.0), _timings(1, 0.7), timings_peers=PEER).passed
+    assert surpass(UNPAIRED_PASS, _timings(0, 1.0), _timings(1, 0.7), {"require_paired": False}, PEER).passed
 
 
 def test_surpass_accepts_clear_speedup():
-    v = surpass(PASS, _timings(0, 1.0), _timings(1, 0.7))
+    v = surpass(PASS, _timings(0, 1.0), _timings(1, 0.7), timings_peers=PEER)
     assert v.passed, v.summary
     ev = v.evidence
     assert ev["speedup"] == pytest.approx(1 / 0.7, rel=0.05) and ev["n_ref"] == ev["n_cand"] == 20
@@ -560,10 +561,38 @@ def test_surpass_rejects_failed_equivalence():
 
 
 def test_surpass_rejects_speedup_within_noise():
-    v = surpass(PASS, _timings(0, 1.0), _timings(1, 0.99))
+    v = surpass(PASS, _timings(0, 1.0), _timings(1, 0.99), timings_peers=PEER)
     assert not v.passed and "not faster beyond noise" in v.summary
     assert v.evidence["noise"] > abs(v.evidence["speedup"] - 1)
     assert not surpass(PASS, _timings(0, 1.0), _timings(1, 1.3)).passed  # slower
+
+
+def test_surpass_must_beat_the_strongest_peer_too():
+    """The product's surpass: faster than the reference AND the strongest peer of the candidate's precision
+    (``peers`` of conf/tier/surpass.yaml), each beyond its noise. A candidate 1.4x the reference but level with the
+    peer is rejected, naming the peer; one with no peer timed is rejected, naming the peers it must beat."""
+    level = surpass(PASS, _timings(0, 1.0), _timings(1, 0.7), timings_peers={"torch_compile": _timings(2, 0.7)})
+    assert not level.passed and "not faster beyond noise" in level.summary and "vs torch_compile" in level.summary
+    assert level.evidence["speedup"] > level.evidence["required_speedup"]  # the reference alone would pass it
+    assert level.evidence["peers"]["torch_compile"]["faster_beyond_noise"] is False
+    none = surpass(PASS, _timings(0, 1.0), _timings(1, 0.7))
+    assert not none.passed and "no peer timed" in none.summary and "torch_compile" in none.summary
+    few = surpass(PASS, _timings(0, 1.0), _timings(1, 0.7), timings_peers={"torch_compile": [1.0] * 5})
+    assert not few.passed and "torch_compile: too few" in few.summary
+    assert surpass(PASS, _timings(0, 1.0), _timings(1, 0.7), {"peers": {"default": [], "fp8": []}}).passed
+
+
+def test_surpass_peers_follow_the_candidates_precision():
+    """An FP8 candidate is compared with FP8 training (torchao), every other with the plain-PyTorch script; a
+    malformed ``peers`` is one ConfigError."""
+    from forgetrain.equivalence.tiers.surpass import peers_for
+    from forgetrain.errors import ConfigError
+
+    assert peers_for(None, fp8=False) == ["torch_compile"]
+    assert peers_for(None, fp8=True) == ["torchao_float8_tensorwise"]
+    assert peers_for({"peers": {"default": []}}, fp8=False) == []
+    with pytest.raises(ConfigError, match="peers"):
+        peers_for({"peers": {"default": "torch_compile"}}, fp8=False)
 
 
 def test_surpass_input_checks():
@@ -586,14 +615,15 @@ def test_ladder_reports_strictest_tier(pair, seeds, tmp_path):
 
     curve = _paired(tmp_path, "ladder")
     res = ladder(TIER_ORDER, ref_dir=ref, cand_dir=make(_perturb(1e-3), "big"), ref_dirs=seeds,
-                 curve_cand_dir=curve, timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7))
+                 curve_cand_dir=curve, timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7),
+                 timings_peers=PEER)
     assert res.strictest_passed == "loss_curve" and res.surpassed is True
     res = ladder(["loss_curve", "surpass"], ref_dirs=seeds, curve_cand_dir=curve)
     assert res.strictest_passed == "loss_curve" and res.surpassed is False
     assert "missing input" in res.verdict("surpass").summary
     one = _write_curve(tmp_path / "one", _curve(10))  # one unpaired run: equivalent, but no speed claim rests on it
     res = ladder(["loss_curve", "surpass"], ref_dirs=seeds, curve_cand_dir=one, timings_ref=_timings(0, 1.0),
-                 timings_cand=_timings(1, 0.7))
+                 timings_cand=_timings(1, 0.7), timings_peers=PEER)
     assert res.strictest_passed == "loss_curve" and res.surpassed is False
     with pytest.raises(ValueError):
         ladder(["surpass"])

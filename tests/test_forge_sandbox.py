@@ -423,7 +423,8 @@ def test_source_only_loader_runs_the_scanned_source(tmp_path):
 @pytest.mark.slow
 def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
     """Target surpass through the ladder process: the loss-curve golden from the reference's process, the
-    candidate's curve run, then A-B-A timing (candidate, reference, candidate), each block a process of its own.
+    candidate's curve run, then A-B-A timing (candidate, reference and the strongest peer, candidate), each block a
+    process of its own.
     CPU lengths far below the tiers' minimums: the verdicts fail, the plumbing is what is checked (~4 min)."""
     from forgetrain.forge.loop import build_spec
 
@@ -440,7 +441,9 @@ def test_surpass_gate_runs_each_side_in_a_process_of_its_own(tmp_path):
     assert res["tiers_tried"] == ["tolerance", "surpass"] and res["strictest_passed"] == "tolerance"
     assert [v["tier"] for v in res["verdicts"]] == ["tolerance", "loss_curve", "surpass"]
     d = tmp_path / "lad" / "surpass"
-    assert len(json.loads((d / "reference_times.json").read_text())) == 10
+    times = json.loads((d / "reference_times.json").read_text())  # the reference's and the strongest peer's
+    assert len(times["reference"]) == 10 and {k: len(v) for k, v in times["peers"].items()} == {"torch_compile": 10}
+    assert "torch_compile" in res["verdicts"][-1]["evidence"]["peers"]
     for block in ("timing_a1", "timing_a2"):
         assert len(json.loads((d / block / "times.json").read_text())) == 10
     assert "too few timings" not in res["verdicts"][-1]["summary"]  # 10 per side, 20 for the candidate

@@ -65,11 +65,14 @@ def test_surpass_needs_loss_curve_and_a_real_speedup(refs, tmp_path):
     from forgetrain.bench import side_by_side_step_times
 
     lc = eq.loss_curve(refs, _cand(tmp_path), eq.load_tier("loss_curve"))
-    t_ref, t_cand = side_by_side_step_times(_curve_cfg(), "megatron", 10)
+    t = side_by_side_step_times(_curve_cfg(), ["megatron", "torch_compile"], 10)
+    t_ref, t_cand, peer = t["megatron"], t["forged"], {"torch_compile": t["torch_compile"]}
     cfg = eq.load_tier("surpass")
     assert lc.passed, lc.summary
-    eq.surpass(lc, t_ref, t_cand, cfg)  # the real A/B verdict runs on measured timings (either outcome is honest)
-    assert not eq.surpass(lc, t_ref, list(t_ref), cfg).passed  # no speedup: never surpass
-    assert eq.surpass(lc, t_ref, [t / 10 for t in t_ref], cfg).passed  # a clear 10x speedup with loss-curve held
+    eq.surpass(lc, t_ref, t_cand, cfg, peer)  # the real verdict runs on measured timings (either outcome is honest)
+    assert not eq.surpass(lc, t_ref, list(t_ref), cfg, peer).passed  # no speedup: never surpass
+    fast = [min(t_ref + peer["torch_compile"]) / 10] * len(t_ref)  # a clear 10x speedup over both sides
+    assert eq.surpass(lc, t_ref, fast, cfg, peer).passed
+    assert not eq.surpass(lc, t_ref, fast, cfg).passed  # no peer timed: no surpass
     bad = eq.loss_curve(refs, _cand(tmp_path / "m", _tenth_lr_engine()), eq.load_tier("loss_curve"))
-    assert not eq.surpass(bad, t_ref, [t / 10 for t in t_cand], cfg).passed
+    assert not eq.surpass(bad, t_ref, fast, cfg, peer).passed

@@ -165,7 +165,8 @@ def test_fifth_tier_in_the_ladder_report_and_surpass(fifth_tier, tmp_path):
     seeds = [_write_curve(tmp_path / f"seed{s}", _curve(s)) for s in range(4)]
     curve = _paired(tmp_path, "curve")  # the candidate from each seed's init and batches
     res = eq.ladder(eq.TIER_ORDER, ref_dir=ref, cand_dir=cand, ref_dirs=seeds, curve_cand_dir=curve,
-                    timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7))
+                    timings_ref=_timings(0, 1.0), timings_cand=_timings(1, 0.7),
+                    timings_peers={"torch_compile": _timings(2, 1.0)})
     assert [v.tier for v in res.verdicts] == ORDER5
     assert [v.passed for v in res.verdicts] == [False, False, True, True, True]
     assert res.strictest_passed == "consistency" and res.surpassed is True
@@ -178,7 +179,8 @@ def test_fifth_tier_in_the_ladder_report_and_surpass(fifth_tier, tmp_path):
     assert [v.tier for v in res2.verdicts] == ["consistency", "loss_curve"]
     assert not res2.verdicts[0].passed and res2.strictest_passed == "loss_curve"
     # surpass accepts the new tier's verdict as the equivalence it rests on
-    sv = eq.surpass(res.verdict("consistency"), _timings(0, 1.0), _timings(1, 0.7))
+    sv = eq.surpass(res.verdict("consistency"), _timings(0, 1.0), _timings(1, 0.7),
+                    timings_peers={"torch_compile": _timings(2, 1.0)})
     assert sv.passed and sv.evidence["equivalence_tier"] == "consistency"
 
     out = eq.write_report(res, tmp_path / "report", seeds, curve)

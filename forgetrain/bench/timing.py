@@ -332,14 +332,18 @@ def time_engine(cfg: RunConfig, engine_cls, steps: int, warmup: int = 2) -> list
     return out
 
 
-def side_by_side_step_times(cfg: RunConfig, reference: str, steps: int, engine_cls=None, warmup: int = 2):
-    """(reference step seconds, forged step seconds) for the surpass tier, timed in this process: interleaved
-    when both engines fit in memory, else in A-B-A blocks (the forged engine's two blocks both count)."""
-    _, t = timed_sides(cfg, [reference], steps, warmup, engine_cls=engine_cls)
-    if reference not in t:
-        from forgetrain.errors import ConfigError
+def side_by_side_step_times(cfg: RunConfig, sides: list[str], steps: int, engine_cls=None,
+                            warmup: int = 2) -> dict[str, list[float]]:
+    """Step seconds of the forged engine ("forged") and of each reference in ``sides`` (the surpass tier's reference
+    and peers), timed in this process: interleaved when every engine fits in memory, else in A-B-A blocks (the
+    forged engine's two blocks both count). Raises ConfigError naming a side that cannot run here or ran out of
+    memory: no speed comparison is possible without it."""
+    _, t = timed_sides(cfg, list(sides), steps, warmup, engine_cls=engine_cls)
+    for name in sides:
+        if name not in t:
+            from forgetrain.errors import ConfigError
 
-        why = t.get("_unavailable", {}).get(reference)
-        raise ConfigError(f"{why}: no speed comparison possible" if why else
-                          f"references/{reference} ran out of memory at this shape: no speed comparison possible")
-    return t[reference], t["forged"]
+            why = t.get("_unavailable", {}).get(name)
+            raise ConfigError(f"{why}: no speed comparison possible" if why else
+                              f"references/{name} ran out of memory at this shape: no speed comparison possible")
+    return {name: t[name] for name in ["forged", *sides]}

@@ -41,14 +41,15 @@ def summarize(verdicts: Sequence[Verdict]) -> tuple[str | None, bool | None]:
 def ladder(tiers: Sequence[str] = TIER_ORDER, *, ref_dir: str | Path | None = None,
            cand_dir: str | Path | None = None, ref_dirs: Sequence[str | Path] | None = None,
            curve_cand_dir: str | Path | None = None, timings_ref: Sequence[float] | None = None,
-           timings_cand: Sequence[float] | None = None, cfgs: Mapping[str, Mapping] | None = None
-           ) -> LadderResult:
+           timings_cand: Sequence[float] | None = None, cfgs: Mapping[str, Mapping] | None = None,
+           timings_peers: Mapping[str, Sequence[float]] | None = None) -> LadderResult:
     """Run ``tiers`` strictest-first (sorted by :data:`TIER_ORDER`, whatever order they are given in).
 
     Inputs per tier, by its kind (:mod:`forgetrain.equivalence.registry`): a ``pair`` tier (bitwise, tolerance)
     compares ``ref_dir`` with ``cand_dir`` (a short run); a ``curve`` tier (loss_curve) compares ``ref_dirs``
     (>= 3 seeds) with ``curve_cand_dir`` (default ``cand_dir``; a long run); a ``speed`` tier (surpass) uses this
-    ladder's verdict of the tier it rests on and ``timings_ref`` / ``timings_cand`` (step seconds).
+    ladder's verdict of the tier it rests on and ``timings_ref`` / ``timings_cand`` (step seconds), and
+    ``timings_peers`` (peer name -> step seconds; surpass: :func:`forgetrain.equivalence.tiers.surpass.peers_for`).
     ``cfgs`` maps a tier name to its cfg overrides. Every tier is run (a pass does not skip the weaker ones, so
     every verdict carries its evidence); a tier whose inputs are missing gets a failed verdict naming them.
 
@@ -86,6 +87,7 @@ def ladder(tiers: Sequence[str] = TIER_ORDER, *, ref_dir: str | Path | None = No
             if timings_ref is None or timings_cand is None:
                 v = missing(t.name, "timings_ref/timings_cand")
             else:
-                v = t.judge()(base, timings_ref, timings_cand, cfgs.get(t.name))
+                peers = {} if timings_peers is None else {"timings_peers": timings_peers}
+                v = t.judge()(base, timings_ref, timings_cand, cfgs.get(t.name), **peers)
         verdicts.append(v)
     return LadderResult(*summarize(verdicts), verdicts)

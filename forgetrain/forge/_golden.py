@@ -5,7 +5,7 @@
 (and, below fp32, its fp32 oracle run), for loss_curve and surpass one run per reference seed
 (``forgetrain.verify.verify`` with ``make_golden``). A judge's spec (one with ``drawn`` values,
 :mod:`forgetrain.forge.secret`) gets its data window cut first, into the dir its ``data.path`` names, and the CPU
-peak the reference's runs measured is written to ``golden_root/peak.json`` for the candidate's config. ``--time-steps N --times F`` times the reference instead
+peak the reference's runs measured is written to ``golden_root/peak.json`` for the candidate's config. ``--time-steps N --times F`` times the reference and the surpass tier's peers instead
 (the B block of surpass's process-separated A-B-A timing; :func:`forgetrain.bench.time_engine`).
 
 The ladder process starts this before any candidate process, so a golden is never made by a process that also
@@ -114,8 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             from forgetrain import registry
             from forgetrain.bench import time_engine
 
+            from forgetrain.bench.sides import make_side, side_config
+            from forgetrain.equivalence.tiers.surpass import peers_for
+            from forgetrain.equivalence.verdict import tier_config
+
             ref_cls = registry.load_engine_class("references", vcfg.reference)
-            atomic_write_json(Path(a.times), time_engine(rc, ref_cls, a.time_steps))
+            peers = peers_for(tier_config("surpass", vcfg.reference),
+                              fp8=str(getattr(rc.engine, "fp8", "none")) != "none")
+            times = {"reference": time_engine(rc, ref_cls, a.time_steps),
+                     "peers": {p: time_engine(rc, lambda c, d, p=p: make_side(p, side_config(c, None), d),
+                                              a.time_steps) for p in peers}}
+            atomic_write_json(Path(a.times), times)
             return 0
         if spec.get("drawn") and spec.get("source_data"):
             from forgetrain.forge.secret import build_window

@@ -453,8 +453,8 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
 
 def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for) -> None:
     """The gate of the speed tier ``speed`` (surpass): the candidate's run of the curve tier it rests on, then A-B-A
-    timing (candidate, reference, candidate), each block in a process of its own; the verdicts come from the
-    traces and the step times."""
+    timing (candidate, reference and the tier's peers, candidate), each block in a process of its own; the
+    verdicts come from the traces and the step times."""
     import forgetrain.verify as fv
     from forgetrain.equivalence.inits import curve_golden_traces
     from forgetrain.equivalence.verdict import tier_config
@@ -479,8 +479,9 @@ def _surpass(res: dict, sides: _Sides, rc, vcfg, out: Path, speed: str, run_for)
         if res["rejected"]:
             return
         t_cand += json.loads((d / f"timing_{block}" / "times.json").read_text())
-    t_ref = json.loads((d / "reference_times.json").read_text())
-    verdicts = fv.judge(speed, tier_config(speed, vcfg.reference), refs, runs, d, times=(t_ref, t_cand))
+    t_ref = json.loads((d / "reference_times.json").read_text())  # the reference's and the peers' step seconds
+    verdicts = fv.judge(speed, tier_config(speed, vcfg.reference), refs, runs, d,
+                        times=(t_ref["reference"], t_cand, t_ref["peers"]))
     res["verdicts"] += [v.to_dict() for v in verdicts]
     lc = next((v for v in verdicts if v.tier == curve), None)
     if res["strictest_passed"] is None and lc is not None and lc.passed:

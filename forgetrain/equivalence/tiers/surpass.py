@@ -1,5 +1,6 @@
-"""The surpass tier: an equivalence verdict passed, and the candidate's throughput beats the reference's by more
-than the measured noise (docs/design.md, "The tiers"; the rule and its sources: ``conf/tier/surpass.yaml``).
+"""The surpass tier: an equivalence verdict passed, and the candidate's throughput beats the reference's and the
+strongest peer's (``peers`` of ``conf/tier/surpass.yaml``) by more than the measured noise (docs/design.md, "The
+tiers"; the rule and its sources: ``conf/tier/surpass.yaml``).
 Not an equivalence level itself: :mod:`forgetrain.equivalence.registry` lists it as a ``speed`` tier.
 """
 
@@ -13,6 +14,20 @@ import numpy as np
 
 from forgetrain.equivalence.registry import EQUIVALENCE_TIERS
 from forgetrain.equivalence.verdict import Verdict, _tier_cfg
+
+
+def peers_for(cfg: Mapping | None, fp8: bool) -> list[str]:
+    """The peers a candidate must also beat (``peers`` of ``conf/tier/surpass.yaml``, overridden by ``cfg``): the
+    ``fp8`` list for a candidate that runs GEMMs in FP8, else the ``default`` one. Raises ConfigError for a
+    ``peers`` entry that is not a mapping of lists of reference names."""
+    from forgetrain.errors import ConfigError
+
+    peers = _tier_cfg("surpass", cfg).get("peers") or {}
+    if not isinstance(peers, Mapping) or not all(isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v)
+                                                 for v in peers.values()):
+        raise ConfigError("conf/tier/surpass.yaml peers: a mapping {default: [names], fp8: [names]}")
+    return list(peers.get("fp8" if fp8 else "default") or [])
+
 
 def _timings(x: Sequence[float], what: str, discard: int) -> np.ndarray:
     a = np.asarray(list(x), dtype=np.float64)[discard:]
@@ -73,14 +88,17 @@ def speed_stats(timings_ref: Sequence[float], timings_cand: Sequence[float], cfg
 
 
 def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_cand: Sequence[float],
-            cfg: Mapping | None = None) -> Verdict:
+            cfg: Mapping | None = None, timings_peers: Mapping[str, Sequence[float]] | None = None) -> Verdict:
     """Surpass tier: equivalence holds and the candidate is faster by more than the measured noise.
 
     Inputs: ``loss_curve_verdict``, the equivalence verdict the speed claim rests on (normally
     ``loss_curve``'s; a verdict of any other equivalence tier, e.g. ``bitwise`` or ``tolerance``, over the same run
     is accepted and recorded);
     ``timings_ref`` / ``timings_cand``, per-step wall seconds of the same work per step, measured side by side,
-    interleaved A/B, warm; ``cfg`` overrides ``conf/tier/surpass.yaml``.
+    interleaved A/B, warm; ``cfg`` overrides ``conf/tier/surpass.yaml``; ``timings_peers``, peer name -> its
+    per-step seconds of the same work, timed beside the candidate (the caller times :func:`peers_for`'s list).
+    Where the yaml declares peers, at least one of them must be timed (else the verdict fails, naming them), and
+    the candidate must beat every timed peer by the same rule as the reference.
 
     Rule (sources in the yaml): speedup ``S = median(ref) / median(cand)`` (a throughput ratio); ``noise =
     max(S - q_lo(S*), S z se)`` where ``S*`` are seeded percentile-bootstrap resamples of the speedup and
@@ -89,7 +107,8 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
     min_speedup_margin + noise``. Fails (verdict) with fewer than ``min_samples`` timings on either side.
 
     Evidence: medians (s), speedup, noise (both estimates), the bootstrap interval, relative IQRs, n per side,
-    and the paired median ratio when both lists have equal length (information only).
+    and the paired median ratio when both lists have equal length (information only); under ``peers``, the same
+    statistics per peer (its ``speedup`` = median(peer) / median(cand)).
 
     Raises ValueError when the verdict is not an equivalence verdict (its tier is not in
     :data:`forgetrain.equivalence.registry.EQUIVALENCE_TIERS`), or timings are not finite positive numbers.
@@ -105,17 +124,28 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
         return Verdict("surpass", False, evidence["reason"], evidence, None)
     speedup, needed, fast = evidence["speedup"], evidence["required_speedup"], evidence["faster_beyond_noise"]
     noise, a_n, b_n = evidence["noise"], evidence["n_ref"], evidence["n_cand"]
+    declared = sorted({n for v in (cfg.get("peers") or {}).values() for n in (v or [])})
+    peers = {name: speed_stats(t, timings_cand, cfg) for name, t in sorted((timings_peers or {}).items())}
+    evidence["peers"] = peers
+    no_peer = (f"no peer timed: the candidate must also beat {' or '.join(declared)} (conf/tier/surpass.yaml "
+               f"peers)") if declared and not set(peers) & set(declared) else None
+    no_peer = no_peer or next((f"{n}: {st['reason']}" for n, st in peers.items() if "reason" in st), None)
+    fast = fast and no_peer is None and all(st["faster_beyond_noise"] for st in peers.values())
     from forgetrain.equivalence import registry
 
     unpaired_only = (bool(cfg.get("require_paired", True)) and loss_curve_verdict.tier in registry.names(
         registry.CURVE) and "paired" not in evidence["equivalence_mode"].split("+"))
     passed = bool(loss_curve_verdict.passed and fast and not unpaired_only)
-    speed = f"speedup {speedup:.3f}x (needs > {needed:.3f}x: noise {noise:.3f}, n={a_n}/{b_n})"
+    speed = f"speedup {speedup:.3f}x (needs > {needed:.3f}x: noise {noise:.3f}, n={a_n}/{b_n})" + "".join(
+        f"; vs {n} {st['speedup']:.3f}x (needs > {st['required_speedup']:.3f}x)" for n, st in peers.items()
+        if "reason" not in st)
     if unpaired_only:
         summary = (f"the speed claim rests on the paired {loss_curve_verdict.tier} test, and this verdict was "
                    f"judged unpaired only (require_paired); {speed}")
     elif not loss_curve_verdict.passed:
         summary = f"{loss_curve_verdict.tier} tier failed, so no speed claim counts; {speed}"
+    elif no_peer:
+        summary = f"{no_peer}; {speed}"
     elif not fast:
         summary = f"not faster beyond noise: {speed}"
     else:
