@@ -124,6 +124,28 @@ def test_the_replay_is_bitwise_only_where_the_run_is_deterministic_on_a_listed_d
     assert replay_rule(gpu, 5) == ("tolerance", 5)
 
 
+def test_a_shorter_replay_composes_as_a_user_s_command_and_keeps_the_gated_schedule(tmp_path):
+    """A replay of fewer steps than its gated run (the tolerance rule) keeps that run's learning rates (the LR
+    schedule pinned to the whole curve's) and its thread count, and its overrides compose, through Hydra, to the
+    config hash the judge's side checks."""
+    from pathlib import Path
+
+    from forgetrain.equivalence.runs import run_cfg
+    from forgetrain.forge import plain
+    from forgetrain.schedule import lr_for_step
+    from forgetrain.train import config_hash
+
+    rc = micro_rc()  # as the judge's spec has it: train.steps a short gate's, the curves longer
+    rc = dataclasses.replace(rc, train=dataclasses.replace(rc.train, steps=3, lr_warmup_steps=1))
+    gated = run_cfg(rc, Path("."), steps=80, digests=False, seed=4321)
+    user = plain.replay_config(rc, 80, 4321, 20, 1, tmp_path)
+    assert user.train.steps == 20 and user.train.seed == 4321 and not user.train.digests
+    assert [lr_for_step(user.train, n) for n in range(20)] == [lr_for_step(gated.train, n) for n in range(20)]
+    over = plain.user_overrides(user, "scenarios.llama_tiny_cpu.engine:Engine")
+    assert {"train.steps=20", "train.lr_decay_steps=80", "train.threads=1"} <= set(over), over
+    assert config_hash(plain._composed(over)) == config_hash(user)
+
+
 def test_the_replayed_runs_are_the_re_check_s_curve_runs(tmp_path):
     """A loss_curve target's paired runs are the re-check's loss_curve runs; a surpass target's, its surpass run's
     (which carries the curve tier it rests on)."""

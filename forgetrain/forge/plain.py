@@ -198,6 +198,22 @@ def replay_rule(rc, curve_steps: int) -> tuple[str, int]:
     return "tolerance", min(n, int(curve_steps))
 
 
+def replay_config(rc, curve_steps: int, seed: int, steps: int, threads: int | None, root: Path):
+    """The RunConfig of a user's run that replays the first ``steps`` steps of a curve tier's paired run of the
+    reference seed ``seed`` (``curve_steps`` steps of the judge's configuration ``rc``, as
+    :func:`forgetrain.verify.curve_candidate_runs` runs it: no digests, the LR schedule pinned to the whole curve's,
+    so fewer steps replay the same learning rates), reading the init weights ``root/init.safetensors`` and the data
+    window ``root/data/train``, on ``threads`` CPU threads (not hashed; None: torch's default). Raises TypeError
+    for a setting that is no field of ``rc.train``."""
+    from forgetrain.equivalence.runs import run_cfg
+
+    user = run_cfg(rc, Path("."), steps=int(curve_steps), digests=False, seed=int(seed))
+    user.train = dataclasses.replace(user.train, steps=int(steps), out_dir=None, threads=threads,
+                                     init_weights=str(root / "init.safetensors"))
+    user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
+    return user
+
+
 def curve_dir(rdir: Path, spec: dict, tier: str) -> Path:
     """Where the installed copy's re-check (its ladder run, ``rdir/reverify``) wrote the runs of the curve tier
     ``tier`` it passed: the speed target's dir when ``spec``'s target is a speed tier (its run carries the curve
@@ -297,7 +313,6 @@ class PlainCheck:
         import secrets
 
         from forgetrain.config import to_run_config
-        from forgetrain.equivalence.runs import run_cfg
         from forgetrain.equivalence.verdict import load_tier
         from forgetrain.train import config_hash
         from forgetrain.verify import VerifyConfig
@@ -309,13 +324,8 @@ class PlainCheck:
         gated = tdir / "candidate" / f"candidate_paired_seed{seed}" / "trace"
         meta = json.loads((gated / "meta.json").read_text())
         compare, steps = replay_rule(rc, vcfg.curve_steps)
-        # the gated run's own settings (forgetrain.verify.curve_candidate_runs): its LR schedule stays pinned to
-        # the whole curve's when fewer steps are replayed; its thread count (not hashed) is the gated process's
-        user = run_cfg(rc, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed)
         threads = rc.train.threads or (meta.get("versions") or {}).get("threads")
-        user.train = dataclasses.replace(user.train, steps=steps, out_dir=None, threads=threads,
-                                         init_weights=str(self.root / "init.safetensors"))
-        user.data = dataclasses.replace(user.data, path=str(self.root / "data" / "train"))
+        user = replay_config(rc, vcfg.curve_steps, seed, steps, threads, self.root)
         self.overrides = user_overrides(user, self.engine)
         req = {"spec": str(self.rdir / "reverify" / "spec.json"), "gated": str(gated), "seed": seed, "steps": steps,
                "compare": compare, "init": str(tdir / "init" / f"seed_{seed}.safetensors"),
