@@ -193,3 +193,22 @@ def test_judge_replay_refuses_a_trace_of_another_run(tmp_path):
     res = judge_replay(job, _trace(tmp_path / "user", recs, config_hash="other"), tmp_path / "judge")
     assert not res["passed"] and "verdicts" not in res and res["problems"][0][0] == 5, res
     assert "describes another run than the one judged" in res["problems"][0][1]
+
+
+@pytest.mark.parametrize("change", [{"compare": "loss_curve"}, {"seed": 12345}, {"steps": 81}])
+def test_the_judge_s_side_refuses_a_request_that_is_not_a_replay_of_the_re_check(tmp_path, change):
+    """The replay is judged by a pair tier, on a reference seed of the re-check, for at most its curves' steps."""
+    from forgetrain.forge import secret
+    from forgetrain.forge._plain import prepare_replay
+    from forgetrain.forge.loop import build_spec
+
+    spec = build_spec(micro_rc(), options(tmp_path, target_tier="loss_curve", ladder_from="loss_curve",
+                                          curve_steps=80))
+    drawn = secret.draw(spec["secret"])
+    (tmp_path / "spec.json").write_text(json.dumps(secret.judge_spec(spec, drawn, tmp_path / "_data",
+                                                                     tmp_path / "golden")))
+    req = {"spec": str(tmp_path / "spec.json"), "gated": str(tmp_path / "none"), "init": str(tmp_path / "none"),
+           "seed": drawn["curve_seeds"][0], "steps": 80, "compare": "bitwise", "want_hash": "x", **change}
+    with pytest.raises(RuntimeError, match="not a replay of the re-check's runs"):
+        prepare_replay(req, tmp_path / "init.safetensors", tmp_path / "out")
+    assert not (tmp_path / "init.safetensors").exists() and not (tmp_path / "out").exists()

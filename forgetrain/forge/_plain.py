@@ -99,18 +99,19 @@ def prepare_replay(req: dict, init_file: Path, out: Path) -> dict:
     """Phase 1 of a curve tier's replay. ``req``: ``spec`` (the re-check's judge spec: run config, verify options,
     golden root, data window), ``gated`` (the trace dir of its paired run of ``seed``), ``init`` (the init file that
     run started from, as its ladder rebuilt it), ``seed``, ``steps`` (how many of its steps the user's run replays),
-    ``compare`` (``bitwise`` or ``tolerance``), ``want_hash`` (the config hash of the user's run). Checks the gated
-    trace as the re-check's ``curve_steps``-step run of that seed (:func:`forgetrain.forge.recheck.trace_problems`),
-    the init's sha256 against the one the golden stores for the seed, and the window's files against its manifest;
-    writes the init to ``init_file`` and the window to ``out/_data``. Returns the job :func:`judge_replay` needs:
-    the gated trace's meta and first ``steps`` records (held in this process's memory from here on), with the
-    request's values. Raises RuntimeError when the gated run, its init or the request does not check out,
-    DataError for a damaged window."""
+    ``compare`` (the pair tier it is judged by: ``bitwise`` or ``tolerance``), ``want_hash`` (the config hash of the
+    user's run). Checks the gated trace as the re-check's ``curve_steps``-step run of that seed
+    (:func:`forgetrain.forge.recheck.trace_problems`), the init's sha256 against the one the golden stores for the
+    seed, and the window's files against its manifest; writes the init to ``init_file`` and the window to
+    ``out/_data``. Returns the job :func:`judge_replay` needs: the gated trace's meta and first ``steps`` records
+    (held in this process's memory from here on), with the request's values. Raises RuntimeError when the gated
+    run, its init or the request does not check out, DataError for a damaged window."""
     from safetensors.torch import load
 
     import forgetrain.verify as fv
     from forgetrain.config import to_run_config
     from forgetrain.data import integrity
+    from forgetrain.equivalence import registry
     from forgetrain.equivalence.inits import golden_init_hashes, init_sha256
     from forgetrain.equivalence.runs import run_cfg
     from forgetrain.forge import recheck
@@ -121,8 +122,9 @@ def prepare_replay(req: dict, init_file: Path, out: Path) -> dict:
     jspec = json.loads(Path(req["spec"]).read_text())
     rc, vcfg = to_run_config(jspec["run_config"]), fv.VerifyConfig(**jspec["verify"])
     seed, steps, compare, gated = int(req["seed"]), int(req["steps"]), req["compare"], Path(req["gated"])
-    if seed not in [int(s) for s in vcfg.seeds] or not 0 < steps <= vcfg.curve_steps or \
-            compare not in ("bitwise", "tolerance"):
+    how = registry.find(compare)
+    if seed not in [int(s) for s in vcfg.seeds] or not 0 < steps <= vcfg.curve_steps or how is None or \
+            how.kind != registry.PAIR:
         raise RuntimeError(f"a replay of seed {seed} (not a reference seed of {vcfg.seeds}?), {steps} steps (of "
                            f"{vcfg.curve_steps}), compared {compare!r}: not a replay of the re-check's runs")
     gated_hash = config_hash(run_cfg(rc, Path("."), steps=vcfg.curve_steps, digests=False, seed=seed))
