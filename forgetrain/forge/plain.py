@@ -3,28 +3,39 @@
 The gate's candidate process and the installed copy's re-check (:func:`forgetrain.forge.seal.reverify`) run under
 the sandbox: a guard, an audit hook, private mounts, the forge's ``PYTHON*`` flags, the ladder as the parent, a run
 dir under the forge's out dir. An engine that reads any of them can be honest only there. :class:`PlainCheck`
-therefore runs the installed engine once more as a plain user's process, and judges its trace like the ladder:
+therefore runs the installed engine once more as a plain user's process, and judges its trace like the ladder.
+The user's run is the same for every tier:
 
-* freshly drawn secret values (seed, steps, data window; :func:`forgetrain.forge.secret.draw`) and the tier the
-  engine passed (a pair tier: bitwise or tolerance);
 * a user's project dir (a fresh temporary dir, its name not the forge's) holding the engine installed as
-  ``scenarios/<name>/`` by :func:`forgetrain.forge.install.install` (the bytes the re-check judged, checked), the
-  data window and the reference's init weights for the drawn seed; ``python -m forgetrain`` run there through
-  ``sh -c`` (a shell is its parent; its working dir first on ``sys.path``, as ``python -m`` puts it, is what makes
-  the package importable, no import machinery of the forge's), with the run's settings as Hydra overrides
-  (:func:`user_overrides`, ``train.init_weights`` among them) and Hydra's own run dir
-  (``outputs/<scenario>/<date>_<time>``); the forge's starting environment without any ``FORGE_*`` variable and
-  without the ``PYTHON*`` variables the sandbox sets (:func:`user_env`); no guard, no audit hook, no private mounts;
-* no golden of those values exists while it runs: the judge's side (``forgetrain.forge._plain``, a process that
-  never runs candidate code and has loaded its modules before the user's run starts) makes it afterwards, then
-  applies the trace checks of :mod:`forgetrain.forge.recheck` and the tier's judge.
+  ``scenarios/<name>/`` by :func:`forgetrain.forge.install.install` (the bytes the re-check judged, checked), a data
+  window and init weights; ``python -m forgetrain`` run there through ``sh -c`` (a shell is its parent; its working
+  dir first on ``sys.path``, as ``python -m`` puts it, is what makes the package importable, no import machinery of
+  the forge's), with the run's settings as Hydra overrides (:func:`user_overrides`, ``train.init_weights`` among
+  them) and Hydra's own run dir (``outputs/<scenario>/<date>_<time>``); the forge's starting environment without any
+  ``FORGE_*`` variable and without the ``PYTHON*`` variables the sandbox sets (:func:`user_env`); no guard, no audit
+  hook, no private mounts.
+
+What it runs and what it is judged against depend on the tier the engine passed:
+
+* a pair tier (bitwise, tolerance): freshly drawn secret values (seed, steps, data window;
+  :func:`forgetrain.forge.secret.draw`) and the reference's init weights for the drawn seed. No golden of those
+  values exists while it runs: the judge's side (``forgetrain.forge._plain``, a process that never runs candidate
+  code and has loaded its modules before the user's run starts) makes it afterwards, then applies the trace checks
+  of :mod:`forgetrain.forge.recheck` and the tier's judge;
+* a curve tier (loss_curve, or the one surpass rests on), whose engines are in general not step by step close to
+  the reference: a replay of one of the re-check's paired runs (a reference seed drawn among its seeds: that seed's
+  reference init, the re-check's data window, the same settings and thread count). The judge's side reads that
+  gated run's trace, and checks its init against the golden's hash, before the user's run, holds what it read in
+  its own memory, and compares the user's trace with it: bitwise or within the tolerance tier's per-step thresholds,
+  by the rule ``plain_replay`` of ``conf/tier/loss_curve.yaml`` (:func:`replay_rule`). An engine that computes
+  differently where it is not judged does not reproduce its own judged run.
 
 Around the user's run, which nothing guards, the hashed gate set, the forge's bytecode cache, the judge's files of
 this check and what the judge reads outside the repository are compared (classes 4, 3, 1 and 8); its process
 group is killed when it ends, and any process it started that outlived it (re-parented to the forge, its
-subreaper) is killed and rejects it (class 3) before the golden is made. The judge's side is not dumpable (no
-ptrace attach by the user's run; :func:`forgetrain.forge.procs.no_ptrace`). Any other failure is a problem naming
-class 6.
+subreaper) is killed and rejects it (class 3) before the judge compares anything. The judge's side is not dumpable
+(no ptrace attach by the user's run; :func:`forgetrain.forge.procs.no_ptrace`). Any other failure is a problem
+naming class 6.
 """
 
 from __future__ import annotations
@@ -165,13 +176,64 @@ def _watch_problems(run, before: dict, judged: list[Path], judge_sig: dict) -> l
     return out
 
 
+def replay_rule(rc, curve_steps: int) -> tuple[str, int]:
+    """How a curve tier's plain user run replays a gated run of the configuration ``rc`` (a RunConfig) whose
+    curves are ``curve_steps`` steps long: (``"bitwise"``, ``curve_steps``) where the run is deterministic
+    (``train.deterministic`` on a device of ``bitwise_devices``), else (``"tolerance"``, the first
+    ``tolerance_steps`` steps, at most ``curve_steps``). The rule and its rationale: ``plain_replay`` in
+    ``conf/tier/loss_curve.yaml``. Raises ConfigError when that section is missing or malformed."""
+    from forgetrain.equivalence.verdict import load_tier
+    from forgetrain.errors import ConfigError
+
+    rule = load_tier("loss_curve").get("plain_replay")
+    try:
+        devices, n = list(rule["bitwise_devices"]), int(rule["tolerance_steps"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"conf/tier/loss_curve.yaml: plain_replay must give bitwise_devices (a list) and "
+                          f"tolerance_steps (an integer), got {rule!r}") from None
+    if n <= 0:
+        raise ConfigError(f"conf/tier/loss_curve.yaml: plain_replay.tolerance_steps must be positive, got {n}")
+    if rc.train.deterministic and rc.hardware.device in devices:
+        return "bitwise", int(curve_steps)
+    return "tolerance", min(n, int(curve_steps))
+
+
+def replay_config(rc, curve_steps: int, seed: int, steps: int, threads: int | None, root: Path):
+    """The RunConfig of a user's run that replays the first ``steps`` steps of a curve tier's paired run of the
+    reference seed ``seed`` (``curve_steps`` steps of the judge's configuration ``rc``, as
+    :func:`forgetrain.verify.curve_candidate_runs` runs it: no digests, the LR schedule pinned to the whole curve's,
+    so fewer steps replay the same learning rates), reading the init weights ``root/init.safetensors`` and the data
+    window ``root/data/train``, on ``threads`` CPU threads (not hashed; None: torch's default). Raises TypeError
+    for a setting that is no field of ``rc.train``."""
+    from forgetrain.equivalence.runs import run_cfg
+
+    user = run_cfg(rc, Path("."), steps=int(curve_steps), digests=False, seed=int(seed))
+    user.train = dataclasses.replace(user.train, steps=int(steps), out_dir=None, threads=threads,
+                                     init_weights=str(root / "init.safetensors"))
+    user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
+    return user
+
+
+def curve_dir(rdir: Path, spec: dict, tier: str) -> Path:
+    """Where the installed copy's re-check (its ladder run, ``rdir/reverify``) wrote the runs of the curve tier
+    ``tier`` it passed: the speed target's dir when ``spec``'s target is a speed tier (its run carries the curve
+    tier's), else the curve tier's own. The paired runs are ``candidate/candidate_paired_seed<N>/trace``, the inits
+    the ladder rebuilt and checked ``init/seed_<N>.safetensors``."""
+    from forgetrain.equivalence import registry
+
+    target = spec["target_tier"]
+    return rdir / "reverify" / (target if registry.find(target).kind == registry.SPEED else tier)
+
+
 class PlainCheck:
     """The plain re-check of one round (module docstring). Made before the installed copy's gated re-check, so
-    that the judge's side prepares (imports, the window, the reference's init) while that runs; :meth:`run` then
-    runs the installed engine as a user's process and judges it; :meth:`close` ends the judge's side and removes the
-    user's project dir. ``passed``: the ladder result that met the target; ``name``: the installed package's
-    name; a curve or speed tier is not re-run this way (``skipped`` says so). Raises ConfigError when the judged
-    run cannot be written as a user's command line."""
+    that the judge's side prepares (imports, and for a pair tier the window and the reference's init) while that
+    runs; :meth:`run` then runs the installed engine as a user's process and judges it; :meth:`close` ends the
+    judge's side and removes the user's project dir. ``passed``: the ladder result that met the target; ``name``:
+    the installed package's name. A pair tier's user run gets fresh values; a curve tier's replays one of the
+    re-check's paired runs (``replay``), which exists only once that re-check has run. Raises ConfigError when the
+    judged run cannot be written as a user's command line, RuntimeError when ``passed`` names no pair or curve
+    tier passed."""
 
     def __init__(self, run, rdir: Path, passed: dict, name: str):
         from forgetrain.config import to_run_config
@@ -181,32 +243,42 @@ class PlainCheck:
         from forgetrain.forge import workspace as wsmod
         from forgetrain.train import config_hash
 
-        self.run_, self.judge, self.root, self.log = run, None, None, None
+        self.run_, self.rdir, self.judge, self.root, self.log = run, rdir, None, None, None
         self.tier = tier = passed.get("strictest_passed")
-        self.skipped = None if tier and registry.find(tier).kind == registry.PAIR else \
-            {"run": False, "why": f"the {tier} tier is judged on curves, which this check does not re-run"}
-        if self.skipped:
-            return
+        found = registry.find(tier) if tier else None
+        kind = found.kind if found is not None else None
+        if kind not in (registry.PAIR, registry.CURVE):
+            raise RuntimeError(f"the ladder result that met the target names no pair or curve tier passed "
+                               f"(strictest_passed: {tier!r}): there is no run to re-check as a user's")
+        self.replay = kind == registry.CURVE
         self.d = d = rdir / "plain"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
         self.root = root = Path(tempfile.mkdtemp())  # the user's project dir
-        self.drawn = drawn = secret.draw(run.spec["secret"])
         self.name = name  # the package name the re-check imports it under
+        self.engine = f"scenarios.{self.name}.{wsmod.workspace_entry(run.ws)}"
+        self.log = open(d / "judge.log", "wb")
+        common = [wsmod.python(), "-m", "forgetrain.forge._plain", "--init", str(d / "init.safetensors"), "--out",
+                  str(d)]
+        if self.replay:  # the judge's side loads its modules now, and waits for the replay's request
+            self.drawn, self.overrides = None, None
+            self.judge = procs.start_group(
+                common + ["--replay"], cwd=d, env=sandbox.sandbox_env(run.pycache, writable=True),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+            return
+        self.drawn = drawn = secret.draw(run.spec["secret"])
         jspec = secret.judge_spec(dict(run.spec, tiers=[tier], target_tier=tier), drawn, d / "_data", d / "golden")
         # the run the ladder's candidate makes (forgetrain.verify's settings), from the reference's init, on a copy
         user = run_cfg(to_run_config(jspec["run_config"]), Path("."), steps=int(drawn["steps"]), digests=True)
         user.train = dataclasses.replace(user.train, out_dir=None, init_weights=str(root / "init.safetensors"))
         user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
         (d / "spec.json").write_text(json.dumps(jspec))
-        self.log = open(d / "judge.log", "wb")
         self.judge = procs.start_group(
-            [wsmod.python(), "-m", "forgetrain.forge._plain", "--spec", str(d / "spec.json"), "--init",
-             str(d / "init.safetensors"), "--out", str(d), "--want-hash", config_hash(user)], cwd=d,
+            common + ["--spec", str(d / "spec.json"), "--want-hash", config_hash(user)], cwd=d,
             env=sandbox.sandbox_env(run.pycache, writable=True), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log)
         try:
-            self.overrides = user_overrides(user, f"scenarios.{self.name}.{wsmod.workspace_entry(run.ws)}")
+            self.overrides = user_overrides(user, self.engine)
         except BaseException:
             self.close()
             raise
@@ -214,19 +286,55 @@ class PlainCheck:
     def run(self, installed: dict[str, str]) -> tuple[list, dict]:
         """Install the engine (its re-checked files hash as ``installed``) into the user's project dir, run it and
         judge it. Returns (problems as (escape class, what), the record for ``seal.json``). Raises RuntimeError
-        when the judge's side fails."""
+        when the judge's side fails, ConfigError when a curve tier's replay cannot be written as a user's command
+        line, OSError when the re-check's run it replays cannot be read."""
         from forgetrain.forge import workspace as wsmod
         from forgetrain.forge.install import install
 
-        if self.skipped:
-            return [], self.skipped
         dest = self.root / "scenarios" / self.name
         dest.parent.mkdir(parents=True, exist_ok=True)
         (dest.parent / "__init__.py").write_text("")
         install(self.run_.out / ".seal_stage", dest, force=True, staged=True)
         if {f: h for f, h in wsmod.file_hashes(dest).items() if f != "SEAL.json"} != installed:
             return [(6, f"the copy installed for the user's run at {dest} does not hash as the re-checked one")], {}
-        return _user_run(self.run_, self.d, self.root, self.tier, self.drawn, self.judge, self.overrides)
+        record = {"run": True, "tier": self.tier}
+        watched = []
+        if self.replay:
+            record["replay"] = self._request_replay()
+            watched = [Path(record["replay"]["of"])]
+        else:
+            record["drawn"] = self.drawn
+        return _user_run(self.run_, self.d, self.root, self.judge, self.overrides, record, watched)
+
+    def _request_replay(self) -> dict:
+        """Choose the re-check's paired run to replay, compose the user's command line for it and send the judge's
+        side its request (``--replay``). Returns the record's ``replay`` entry: ``of`` (the gated run's trace dir),
+        ``seed``, ``steps``, ``compare`` and the ``rule``'s source."""
+        import secrets
+
+        from forgetrain.config import to_run_config
+        from forgetrain.equivalence.verdict import load_tier
+        from forgetrain.train import config_hash
+        from forgetrain.verify import VerifyConfig
+
+        jspec = json.loads((self.rdir / "reverify" / "spec.json").read_text())
+        rc, vcfg = to_run_config(jspec["run_config"]), VerifyConfig(**jspec["verify"])
+        seed = secrets.SystemRandom().choice(list(vcfg.seeds))
+        tdir = curve_dir(self.rdir, jspec, self.tier)
+        gated = tdir / "candidate" / f"candidate_paired_seed{seed}" / "trace"
+        meta = json.loads((gated / "meta.json").read_text())
+        compare, steps = replay_rule(rc, vcfg.curve_steps)
+        threads = rc.train.threads or (meta.get("versions") or {}).get("threads")
+        user = replay_config(rc, vcfg.curve_steps, seed, steps, threads, self.root)
+        self.overrides = user_overrides(user, self.engine)
+        req = {"spec": str(self.rdir / "reverify" / "spec.json"), "gated": str(gated), "seed": seed, "steps": steps,
+               "compare": compare, "init": str(tdir / "init" / f"seed_{seed}.safetensors"),
+               "want_hash": config_hash(user)}
+        (self.d / "spec.json").write_text(json.dumps(req))
+        self.judge.stdin.write((json.dumps({"replay": req}) + "\n").encode())
+        self.judge.stdin.flush()
+        return {"of": str(gated), "seed": seed, "steps": steps, "compare": compare, "threads": threads,
+                "rule": f"conf/tier/loss_curve.yaml plain_replay (version {load_tier('loss_curve')['version']})"}
 
     def close(self) -> None:
         from forgetrain.forge import procs
@@ -239,7 +347,12 @@ class PlainCheck:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides: list[str]) -> tuple[list, dict]:
+def _user_run(run, d: Path, root: Path, judge, overrides: list[str], record: dict,
+              watched: list[Path]) -> tuple[list, dict]:
+    """Run the user's command (``overrides``) in ``root`` once the judge's side is ready, then have it judge the
+    trace. ``record`` (``tier``, and ``drawn`` or ``replay``) gets the run's command, exit status, time and the
+    judge's findings; ``watched``: more of the judge's inputs that the user's run must leave alone (class 1).
+    Returns (problems as (escape class, what), the record)."""
     from forgetrain.forge import procs, sandbox
     from forgetrain.forge.workspace import python
 
@@ -247,8 +360,8 @@ def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides
     shutil.copytree(d / "_data", root / "data")
     shutil.copy2(d / "init.safetensors", root / "init.safetensors")
     cmd = shlex.join([python(), "-m", "forgetrain", *overrides])  # the forge's interpreter, as the user's
-    judged = [d / "_data", d / "init.safetensors", d / "spec.json"]
-    watched, judge_sig = _watch(run), sandbox.stat_signature(judged)
+    judged = [d / "_data", d / "init.safetensors", d / "spec.json", *watched]
+    watched_sig, judge_sig = _watch(run), sandbox.stat_signature(judged)
     procs.become_subreaper()  # what the user's run leaves behind (setsid, a double fork) is re-parented here
     kids = set(procs.children())
     t0 = time.monotonic()
@@ -256,12 +369,12 @@ def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides
         rc, timed_out, _ = procs.run_group(["/bin/sh", "-c", f"{cmd}; exit $?"], cwd=root, env=user_env(),
                                            timeout_s=run.opts.ladder_timeout_s, stdin=subprocess.DEVNULL,
                                            stdout=log, stderr=subprocess.STDOUT)
-    left = procs.kill_leftovers(kids)  # before the golden exists: nothing of the user's run acts after this
-    record = {"run": True, "tier": tier, "drawn": drawn, "command": f"sh -c '{cmd}; exit $?'", "cwd": "<project>",
-              "rc": rc, "seconds": round(time.monotonic() - t0, 1)}
+    left = procs.kill_leftovers(kids)  # before the judge compares: nothing of the user's run acts after this
+    record.update({"command": f"sh -c '{cmd}; exit $?'", "cwd": "<project>", "rc": rc,
+                   "seconds": round(time.monotonic() - t0, 1)})
     problems = [(3, f"a process the installed engine's user run started outlived it ({x}; killed): it could act "
-                    f"on the golden the judge makes afterwards") for x in left]
-    problems += _watch_problems(run, watched, judged, judge_sig)
+                    f"on what the judge compares it with afterwards") for x in left]
+    problems += _watch_problems(run, watched_sig, judged, judge_sig)
     runs = sorted((root / "outputs" / run.scenario).glob("*/trace/trace.jsonl"))
     if problems or rc != 0 or timed_out or not runs:
         judge.stdin.write(b'{"stop": "the user\'s run failed"}\n')
@@ -283,12 +396,19 @@ def _user_run(run, d: Path, root: Path, tier: str, drawn: dict, judge, overrides
     if judge.returncode != 0 or not res_file.is_file():
         raise RuntimeError(f"the judge's side of the plain re-check failed; see {d / 'judge.log'}")
     res = json.loads(res_file.read_text())
-    record.update({k: res.get(k) for k in ("passed", "window", "golden_absent_during_run", "init_sha256")},
-                  verdicts=[{k: v[k] for k in ("tier", "passed", "summary")} for v in res.get("verdicts", [])])
+    record.update({k: res[k] for k in ("passed", "window", "golden_absent_during_run", "init_sha256", "replayed")
+                   if k in res}, verdicts=[{k: v[k] for k in ("tier", "passed", "summary")}
+                                           for v in res.get("verdicts", [])])
     if res["problems"]:
         return [(int(c), f"the installed engine's user run: {p}") for c, p in res["problems"]], record
     if not res["passed"]:
         why = next((f"{v['tier']} {v['summary']}" for v in res.get("verdicts", []) if not v["passed"]), "no verdict")
+        rep = record.get("replay")
+        if rep:
+            return [(6, f"the installed engine, run as a user's run (python -m forgetrain in a plain process, a "
+                        f"shell its parent), does not reproduce the gated run it replays ({rep['steps']} steps of "
+                        f"the re-check's paired run of seed {rep['seed']}, compared {rep['compare']}): {why}. It "
+                        f"computes differently where it is not judged")], record
         return [(6, f"the installed engine, run as a user's run (python -m forgetrain in a plain process, a shell "
                     f"its parent, fresh secret values), fails the gate that its judged runs passed: {why}. It "
                     f"computes differently where it is not judged")], record
