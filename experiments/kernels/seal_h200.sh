@@ -21,7 +21,8 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
-KERNELS=${KERNELS:-"rmsnorm swiglu rope cross_entropy adamw"}
+# default: every kernel of the switch table (forgetrain/kernels/switches.py), never a list kept by hand
+KERNELS=${KERNELS:-$($PY -c "from forgetrain.kernels import KERNELS; print(' '.join(KERNELS))")}
 limit() {  # seconds per kernel: validation (all full shapes) + bench (fwd, fwd+bwd; 3 variants) + seal
   case "$1" in
     cross_entropy) echo "${KERNEL_TIMEOUT_S:-150}" ;;
