@@ -595,6 +595,27 @@ def test_surpass_peers_follow_the_candidates_precision():
         peers_for({"peers": {"default": "torch_compile"}}, fp8=False)
 
 
+def test_surpass_refuses_a_peer_that_cannot_run_here_before_any_run(tmp_path):
+    """An FP8 candidate's peer is torchao's float8 training: where it cannot run (no torchao, or no FP8 GEMMs on
+    this machine) ``verify tier=surpass`` stops before any run with one ``error:`` line naming it, and writes
+    nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+    from tests.limits import hang_s
+
+    out = tmp_path / "v"
+    r = subprocess.run([sys.executable, "-m", "forgetrain.verify", "scenario=llama1b_h200", "hardware=cpu",
+                        "model=llama_micro", "engine.compile=false", "engine.fp8=tensorwise", "tier=surpass",
+                        "verify.seeds=[1,2,3]", f"verify.out_dir={out}"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=hang_s(), env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    lines = [x for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and "torchao" in lines[0], lines
+    assert not out.exists()
+
+
 def test_surpass_input_checks():
     assert "too few" in surpass(PASS, [1.0] * 5, [0.5] * 5).summary
     with pytest.raises(ValueError):
