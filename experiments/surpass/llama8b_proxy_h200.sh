@@ -28,7 +28,7 @@ if [ "${PART:-a}" = b ]; then
   CAND=${CAND:-}; TAG=${TAG:-fast_default}
   echo "$(ts) == $TAG [${CAND}]: surpass vs 5 seeds ($(left) s left)"
   timeout $(left) python3 -m forgetrain.verify $P $CAND tier=surpass verify.golden=true \
-    "verify.seeds=[1234,1235,1236,1237,1238]" verify.out_dir=/tmp/v8 2>&1 | filt 8
+    "verify.seeds=[1234,1235,1236,1237,1238]" verify.out_dir=/tmp/v8 verify.init_cache=/tmp/ftinit 2>&1 | filt 8
   cp /tmp/v8/verdict.json $OUT/surpass_8b_proxy_${TAG}_verdict.json 2>/dev/null
   cp /tmp/v8/loss_curves.png $OUT/surpass_8b_proxy_${TAG}_loss_curves.png 2>/dev/null
 fi
