@@ -41,8 +41,8 @@ def param_tensor_sizes(model_cfg) -> list[int]:
     ``[V, h]``; per layer the input norm ``[h]``, the fused QKV ``[(nq + 2*nkv)*d, h]``, the output projection
     ``[h, nq*d]``, with ``qk_layernorm`` the query and key norms ``[d]`` each, the MLP norm ``[h]``, the fused fc1
     ``[2f, h]`` and fc2 ``[h, f]`` (with ``num_experts`` E instead the router ``[E, h]`` and per expert fc1
-    ``[2 f_e, h]`` and fc2 ``[h, f_e]``, f_e = ``expert_ffn_hidden_size``); the final norm ``[h]``; the LM head ``[V, h]`` unless it is the embedding
-    (``share_embeddings_and_output_weights``: one tensor, counted once). :func:`param_counts` sums them; the
+    ``[2 f_e, h]`` and fc2 ``[h, f_e]``, f_e = ``expert_ffn_hidden_size``); the final norm ``[h]``; the LM head
+    ``[V, h]`` unless it is the embedding (``share_embeddings_and_output_weights``: one tensor, counted once). :func:`param_counts` sums them; the
     offload's host-memory estimate (``forgetrain.memory``) selects from them."""
     m = model_cfg
     d = m.head_dim

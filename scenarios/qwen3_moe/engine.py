@@ -8,9 +8,10 @@ each micro-batch's mean loss / n is back-propagated (the aux loss's gradient sca
 ``MoEAuxLossAutoScaler`` scale), the gradients copied (first micro-batch) or added into fp32 ``main_grad``,
 Megatron's grad norm and clip, AdamW with Megatron's two parameter groups (2-D weights decayed, norms not).
 
-Precision: ``fp32``; ``bf16`` keeps bf16 weights with fp32 main weights and gradients (Megatron's recipe; not yet
-verified bitwise for MoE). Each step reports its routing statistics in ``StepResult.extra``
-(``moe_tokens_per_expert``, ``moe_load_balancing_loss``), as the reference does.
+Precision: ``fp32``, or ``bf16`` (bf16 weights, router and activations, fp32 main weights and gradients:
+Megatron's recipe); both bitwise at the ``qwen3_moe_micro`` shape (tests/test_moe.py). Each step reports its
+routing statistics in ``StepResult.extra`` (``moe_tokens_per_expert``, ``moe_load_balancing_loss``), as the
+reference does.
 
 Not implemented (ConfigError): data / tensor / expert parallelism, ZeRO, recompute, optimizer offload, fast mode.
 """

@@ -119,6 +119,30 @@ def topk_softmax_routing(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor,
     return routing_probs, routing_map
 
 
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens [T, h]``, bool ``routing_map [T, E]`` -> (the tokens grouped by expert ``[sum(map), h]``,
+    ``sorted_indices`` int64: expert 0's token ids in token order, then expert 1's, ...) (megatron-core 0.16.1
+    ``moe_utils.permute``, unfused, no drop-and-pad)."""
+    num_tokens, num_experts = routing_map.shape
+    map_t = routing_map.bool().T.contiguous()
+    token_indices = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand(num_experts, -1)
+    sorted_indices = token_indices.masked_select(map_t)
+    return tokens.index_select(0, sorted_indices), sorted_indices
+
+
+def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, restore_shape) -> torch.Tensor:
+    """Rows of ``permuted [N, h]`` summed into a zero ``restore_shape`` ``[T, h]`` tensor at ``sorted_indices``,
+    in permuted order (``index_add_`` under deterministic algorithms, ``scatter_add_`` otherwise; megatron-core
+    0.16.1 ``moe_utils.unpermute`` without probabilities, unfused). With top-k > 2 a token's k addends are summed
+    in expert order, so another order changes the last bits."""
+    out = torch.zeros(restore_shape, dtype=permuted.dtype, device=permuted.device)
+    if torch.are_deterministic_algorithms_enabled():
+        out.index_add_(0, sorted_indices, permuted)
+    else:
+        out.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, restore_shape[-1]), permuted)
+    return out.to(dtype=permuted.dtype)
+
+
 class Expert(nn.Module):
     """One SwiGLU expert: ``fc1 [2 f_e, h]`` (``[gate; up]``), ``fc2 [h, f_e]``. ``forward(x [n, h], probs [n])
     -> [n, h]``: ``fc2((silu(gate) * (up + 0.0)) * probs)`` (megatron-core 0.16.1 ``mlp.MLP.forward`` with
@@ -174,10 +198,7 @@ class MoE(nn.Module):
         local_probs = probs[:, 0:num_experts].contiguous()
         tokens_per_expert = local_map.sum(dim=0).long().cpu()
         self.stats.append((tokens_per_expert, aux_logged))
-        map_t = local_map.bool().T.contiguous()
-        token_indices = torch.arange(hidden.shape[0], device=x.device).unsqueeze(0).expand(num_experts, -1)
-        sorted_indices = token_indices.masked_select(map_t)
-        permuted = hidden.index_select(0, sorted_indices)
+        permuted, sorted_indices = permute(hidden, local_map)
         permuted_probs = local_probs.T.contiguous().masked_select(local_map.T.contiguous())
         # SequentialMLP
         if num_experts == 1:
@@ -187,10 +208,4 @@ class MoE(nn.Module):
             outs = [expert(t, p) for expert, t, p in zip(self.experts, torch.split(permuted, counts),
                                                          torch.split(permuted_probs, counts))]
             out = torch.cat(outs, dim=0)
-        # unpermute (no probabilities: the experts applied them)
-        combined = torch.zeros(hidden.shape, dtype=out.dtype, device=out.device)
-        if torch.are_deterministic_algorithms_enabled():
-            combined.index_add_(0, sorted_indices, out)
-        else:
-            combined.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, shape[-1]), out)
-        return combined.to(dtype=out.dtype).view(shape)
+        return unpermute(out, sorted_indices, hidden.shape).view(shape)
