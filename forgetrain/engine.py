@@ -10,7 +10,9 @@ Neutral layouts
 * Weights and gradients cross the boundary in the **HF-Llama layout** (``model.embed_tokens.weight``,
   ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``,
   ``model.layers.{i}.{input,post_attention}_layernorm.weight``, ``model.norm.weight``, ``lm_head.weight``; Qwen3's
-  ``model.layers.{i}.self_attn.{q,k}_norm.weight``, and no ``lm_head.weight`` when it is tied: :func:`hf_names`),
+  ``model.layers.{i}.self_attn.{q,k}_norm.weight``, and no ``lm_head.weight`` when it is tied; Qwen3-MoE's
+  ``model.layers.{i}.mlp.gate.weight`` and ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``:
+  :func:`hf_names`),
   fp32, ``[out_features, in_features]``. q/k rows are in Megatron/Meta order (no HF rotary permutation): both
   engines use rotate-half RoPE on the same head-dim order, so the exchange is a pure re-slicing of QKV/fc1.
 * Module probes use neutral names: ``embedding``, ``layers.{i}.input_norm``, ``layers.{i}.self_attention``,
@@ -44,12 +46,18 @@ class StepResult:
     grad_norm: global L2 norm of the accumulated gradient before clipping.
     lr: learning rate used by this step's update.
     per_token_loss: fp32 ``[num_micro_batches, micro_batch_size, seq_length]`` per-token losses (for digests).
+    extra: JSON-able per-step values beyond the standard record, written into the step's trace record under their
+        own keys (``forgetrain.run.loop``; a key of the standard record is refused with ValueError there). A
+        mixture of experts reports ``moe_tokens_per_expert`` (per layer, per expert: tokens routed there over the
+        step's micro-batches) and ``moe_load_balancing_loss`` (per layer: the unweighted load-balancing loss, mean
+        over micro-batches; only with ``moe_aux_loss_coeff > 0``).
     """
 
     loss: float
     grad_norm: float
     lr: float
     per_token_loss: torch.Tensor | None = None
+    extra: dict | None = None
 
 
 @runtime_checkable
@@ -98,26 +106,34 @@ def forward_names(num_layers: int) -> Iterable[str]:
     yield "output_layer"
 
 
-def hf_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool = False) -> list[str]:
+def hf_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool = False,
+                   num_experts: int | None = None) -> list[str]:
     """HF-Llama parameter names in forward order; ``qk_layernorm``: with HF Qwen3's per-head
     ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight`` ``[d]`` after ``k_proj``; ``tied`` (shared embedding
-    and LM head): no ``lm_head.weight``, as HF saves a tied model."""
+    and LM head): no ``lm_head.weight``, as HF saves a tied model; ``num_experts`` E (HF Qwen3-MoE): each layer's
+    MLP is the router ``mlp.gate.weight`` ``[E, h]`` and per expert e ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+    instead of the dense ``mlp.{gate,up,down}_proj.weight``."""
     names = ["model.embed_tokens.weight"]
     for i in range(num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight"]
         if qk_layernorm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight",
-                  p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                  p + "mlp.down_proj.weight"]
+        names += [p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
+        if num_experts is None:
+            names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+        else:
+            names.append(p + "mlp.gate.weight")
+            for e in range(num_experts):
+                names += [f"{p}mlp.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")]
     names += ["model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     return names
 
 
 def hf_names(model_cfg) -> list[str]:
-    """:func:`hf_param_names` of a ModelConfig (its layers, QK-norm and tying)."""
-    return hf_param_names(model_cfg.num_layers, model_cfg.qk_layernorm, model_cfg.share_embeddings_and_output_weights)
+    """:func:`hf_param_names` of a ModelConfig (its layers, QK-norm, tying and experts)."""
+    return hf_param_names(model_cfg.num_layers, model_cfg.qk_layernorm, model_cfg.share_embeddings_and_output_weights,
+                          model_cfg.num_experts)
 
 
 @contextlib.contextmanager

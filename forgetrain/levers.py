@@ -125,7 +125,11 @@ def spec_of(engine_cls) -> EngineSpec:
 
 # ModelConfig fields beyond the Llama decoder, each off at the value given here; an engine implements one only where
 # its spec's ``model_features`` names it (forgetrain.config.checks refuses the rest in one line)
-MODEL_FEATURES = {"qk_layernorm": False, "share_embeddings_and_output_weights": False, "kv_channels": None}
+MODEL_FEATURES = {"qk_layernorm": False, "share_embeddings_and_output_weights": False, "kv_channels": None,
+                  "num_experts": None}
+# the ModelConfig fields that shape a mixture of experts: read (and hashed) only when ``num_experts`` is set
+MOE_FIELDS = ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+              "moe_router_score_function", "moe_expert_capacity_factor")
 
 
 def missing_features(model_cfg, spec: EngineSpec) -> list[str]:

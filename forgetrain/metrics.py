@@ -9,7 +9,10 @@ figure compares with any published anchor (the ratio between two systems is the 
                      (Megatron-LM's newer accounting: the causal mask halves the attention score/value FLOPs)
 
 where ``N_params - N_embedding`` counts every weight except the input embedding (the LM head is counted), L is
-layers, h hidden size, s sequence length. Then
+layers, h hidden size, s sequence length. For a mixture of experts (``model.num_experts``) N counts the **active
+parameters**: of each layer's experts only the ``moe_router_topk`` a token runs (the router counted whole), the
+convention of Switch Transformer / Megatron-LM's ``num_floating_point_operations`` (``moe_router_topk`` x expert
+FLOPs) and of the "A3B" in Qwen3-30B-A3B; the label says so (:func:`mfu_formula_label`). Then
 
     MFU = FLOPs per token * tokens per step / step_s / (peak FLOP/s per device * devices).
 
@@ -37,26 +40,39 @@ def param_tensor_sizes(model_cfg) -> list[int]:
     """Element counts of a Llama config's parameter tensors, in the Hopper engine's layout: the embedding
     ``[V, h]``; per layer the input norm ``[h]``, the fused QKV ``[(nq + 2*nkv)*d, h]``, the output projection
     ``[h, nq*d]``, with ``qk_layernorm`` the query and key norms ``[d]`` each, the MLP norm ``[h]``, the fused fc1
-    ``[2f, h]`` and fc2 ``[h, f]``; the final norm ``[h]``; the LM head ``[V, h]`` unless it is the embedding
-    (``share_embeddings_and_output_weights``: one tensor, counted once). :func:`param_counts` sums them; the
+    ``[2f, h]`` and fc2 ``[h, f]`` (with ``num_experts`` E instead the router ``[E, h]`` and per expert fc1
+    ``[2 f_e, h]`` and fc2 ``[h, f_e]``, f_e = ``expert_ffn_hidden_size``); the final norm ``[h]``; the LM head
+    ``[V, h]`` unless it is the embedding (``share_embeddings_and_output_weights``: one tensor, counted once). :func:`param_counts` sums them; the
     offload's host-memory estimate (``forgetrain.memory``) selects from them."""
     m = model_cfg
     d = m.head_dim
     h, f = m.hidden_size, m.ffn_hidden_size
     qk = [d, d] if m.qk_layernorm else []
+    if m.num_experts is None:
+        mlp = [2 * f * h, h * f]
+    else:  # the router [E, h], then each expert's fc1 [2 f_e, h] and fc2 [h, f_e]
+        fe = m.expert_ffn_hidden_size
+        mlp = [m.num_experts * h, *[2 * fe * h, h * fe] * m.num_experts]
     layer = [h, (m.num_attention_heads + 2 * m.num_query_groups) * d * h, h * m.num_attention_heads * d, *qk, h,
-             2 * f * h, h * f]
+             *mlp]
     head = [] if m.share_embeddings_and_output_weights else [m.vocab_size * h]
     return [m.vocab_size * h, *layer * m.num_layers, h, *head]
 
 
 def param_counts(model_cfg) -> dict[str, int]:
-    """Parameter counts of a Llama config: total, embedding (input), non-embedding (incl. an untied LM head). A
-    tied LM head is the embedding: counted once, in ``embedding``, so it is not in the MFU's ``6 (N - N_emb)``
-    (as PaLM, whose input and output embeddings are shared, counts them)."""
-    total = sum(param_tensor_sizes(model_cfg))
-    emb = model_cfg.vocab_size * model_cfg.hidden_size
-    return {"total": total, "embedding": emb, "non_embedding": total - emb}
+    """Parameter counts of a Llama / Qwen3 / Qwen3-MoE config: total, embedding (input), non-embedding (incl. an
+    untied LM head) and ``active_non_embedding``, the non-embedding parameters one token runs: with
+    ``num_experts`` E and top-k k, each layer's E - k idle experts (3 h f_e each) are left out; dense, it equals
+    ``non_embedding``. A tied LM head is the embedding: counted once, in ``embedding``, so it is not in the MFU's
+    ``6 (N - N_emb)`` (as PaLM, whose input and output embeddings are shared, counts them)."""
+    m = model_cfg
+    total = sum(param_tensor_sizes(m))
+    emb = m.vocab_size * m.hidden_size
+    idle = 0
+    if m.num_experts is not None:
+        idle = m.num_layers * (m.num_experts - m.moe_router_topk) * 3 * m.hidden_size * m.expert_ffn_hidden_size
+    return {"total": total, "embedding": emb, "non_embedding": total - emb,
+            "active_non_embedding": total - emb - idle}
 
 
 # convention -> (attention FLOPs per token per layer per h*s, label)
@@ -68,11 +84,11 @@ MFU_KEYS = {"palm": "mfu_pct", "megatron_causal": "mfu_causal_pct"}  # metric ke
 
 
 def flops_per_token(model_cfg, convention: str = "palm") -> float:
-    """Model FLOPs per trained token (fwd + bwd) under ``convention`` (module doc). Raises KeyError for an
-    unknown convention."""
+    """Model FLOPs per trained token (fwd + bwd) under ``convention`` (module doc); N is the active non-embedding
+    count (:func:`param_counts`: all of them for a dense model). Raises KeyError for an unknown convention."""
     m = model_cfg
     attn = MFU_CONVENTIONS[convention][0]
-    return 6.0 * param_counts(m)["non_embedding"] + attn * m.num_layers * m.hidden_size * m.seq_length
+    return 6.0 * param_counts(m)["active_non_embedding"] + attn * m.num_layers * m.hidden_size * m.seq_length
 
 
 def mfu_pct(model_cfg, tokens_per_s: float, peak_flops: float, devices: int = 1, convention: str = "palm") -> float:
@@ -87,10 +103,15 @@ def mfu_metrics(model_cfg, tokens_per_s: float, peak_flops: float, devices: int 
     return {key: mfu_pct(model_cfg, tokens_per_s, peak_flops, devices, conv) for conv, key in MFU_KEYS.items()}
 
 
-def mfu_formula_label(peak_label: str) -> str:
-    """One line naming both conventions and the peak, for traces, tables and summaries."""
-    return (f"mfu_pct: {MFU_CONVENTIONS['palm'][1]}; mfu_causal_pct: {MFU_CONVENTIONS['megatron_causal'][1]}; "
-            f"{peak_label}")
+MOE_MFU_NOTE = "N: active parameters (top-k of the experts)"  # the label's addition for a mixture of experts
+
+
+def mfu_formula_label(peak_label: str, model_cfg=None) -> str:
+    """One line naming both conventions and the peak, for traces, tables and summaries; for a mixture of experts
+    (``model_cfg.num_experts`` set) it adds :data:`MOE_MFU_NOTE`."""
+    moe = f"; {MOE_MFU_NOTE}" if model_cfg is not None and model_cfg.num_experts is not None else ""
+    return (f"mfu_pct: {MFU_CONVENTIONS['palm'][1]}; mfu_causal_pct: {MFU_CONVENTIONS['megatron_causal'][1]}"
+            f"{moe}; {peak_label}")
 
 
 def cpu_model() -> str:

@@ -7,7 +7,8 @@ A trace directory holds:
   (pre-clip L2), ``lr``, ``tokens`` (cumulative, all ranks), ``step_s`` (s), ``tokens_per_s``, ``mfu_pct``,
   optionally ``val_loss`` and ``digests`` (``per_token_loss``: sha256; ``params``/``grads``/``clipped_grads``:
   name -> sha256 of the fp32 HF-layout tensor after this step / its pre-clip gradient / the gradient its update
-  applied, after clipping: ``forgetrain.train.clipped_grads``).
+  applied, after clipping: ``forgetrain.train.clipped_grads``), and an engine's own per-step values
+  (``StepResult.extra``: a mixture of experts' ``moe_tokens_per_expert`` and ``moe_load_balancing_loss``).
 * ``modules.json`` -- optional, step-1 module probes: name -> {"fwd", "fwd_l2", "grad", "grad_l2"}.
 * ``final.safetensors`` -- optional, the final parameters in the HF layout (fp32).
 

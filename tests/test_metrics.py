@@ -44,7 +44,8 @@ def test_mfu_both_conventions():
 def test_counting_the_embedding_is_caught(monkeypatch):
     """The mutant the hand count exists for: 6 x N with the input embedding counted."""
     real = metrics.param_counts
-    monkeypatch.setattr(metrics, "param_counts", lambda m: {**real(m), "non_embedding": real(m)["total"]})
+    monkeypatch.setattr(metrics, "param_counts", lambda m: {**real(m), "non_embedding": real(m)["total"],
+                                                             "active_non_embedding": real(m)["total"]})
     assert metrics.flops_per_token(M) != hand_count(12)
 
 

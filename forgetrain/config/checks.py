@@ -96,6 +96,7 @@ def _check_model_and_train(cfg: RunConfig) -> None:
                           f"model.num_attention_heads={m.num_attention_heads}")
     if m.head_dim % 2:
         raise ConfigError(f"head dim {m.head_dim} must be even for RoPE")
+    _check_moe(m)
     if m.norm_epsilon <= 0 or m.rotary_base <= 0:
         raise ConfigError("model.norm_epsilon and model.rotary_base must be positive")
     for name in ("micro_batch_size", "global_batch_size", "steps"):
@@ -249,6 +250,41 @@ def _check_engine_options(cfg: RunConfig, reference: bool) -> None:
             spec.check(cfg, reference)
 
 
+def _check_moe(m) -> None:
+    """The mixture-of-experts fields (``model.num_experts`` and ``model.moe_*``): a dense model sets none of the
+    ``moe_*`` fields away from its default; an MoE one has at least one expert, 1 <= top-k <= experts, a positive
+    expert width, a non-negative aux-loss weight, Megatron's ``aux_loss`` (or ``none``) balancing with softmax
+    scores, and no capacity factor (dropless: the only routing implemented)."""
+    from forgetrain.config.schema import ModelConfig
+    from forgetrain.levers import MOE_FIELDS
+
+    if m.num_experts is None:
+        off = [f"model.{k}={getattr(m, k)}" for k in MOE_FIELDS if getattr(m, k) != getattr(ModelConfig, k)]
+        if off:
+            raise ConfigError(f"{', '.join(off)} needs model.num_experts (null: a dense model); set "
+                              f"model.num_experts or drop the moe_* override")
+        return
+    if m.num_experts <= 0:
+        raise ConfigError(f"model.num_experts must be positive or null (dense), got {m.num_experts}")
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        raise ConfigError(f"model.moe_router_topk must lie in [1, model.num_experts={m.num_experts}], "
+                          f"got {m.moe_router_topk}")
+    if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size <= 0:
+        raise ConfigError(f"model.moe_ffn_hidden_size must be positive or null (= model.ffn_hidden_size), "
+                          f"got {m.moe_ffn_hidden_size}")
+    if m.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff must be >= 0, got {m.moe_aux_loss_coeff}")
+    if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        raise ConfigError(f"model.moe_router_load_balancing_type must be aux_loss|none, got "
+                          f"'{m.moe_router_load_balancing_type}'")
+    if m.moe_router_score_function != "softmax":
+        raise ConfigError(f"model.moe_router_score_function must be softmax (the one implemented), got "
+                          f"'{m.moe_router_score_function}'")
+    if m.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"model.moe_expert_capacity_factor must be null: only dropless routing is implemented, "
+                          f"got {m.moe_expert_capacity_factor}")
+
+
 def _check_logger(cfg: RunConfig) -> None:
     """``logger.*``: none or wandb, in one of W&B's modes."""
     if cfg.logger.name not in ("none", "wandb"):
@@ -266,7 +302,7 @@ def _check_model_features(cfg: RunConfig, engine_cls) -> None:
     if missing:
         raise ConfigError(f"{', '.join(missing)} is not implemented by engine {engine_cls.__module__}:"
                           f"{engine_cls.__qualname__} (model {cfg.model.name}); choose an engine that implements it "
-                          f"(the Qwen3 scenarios: conf/scenario/qwen3_*.yaml)")
+                          f"(the Qwen3 scenarios: conf/scenario/qwen3_*.yaml; MoE: qwen3_moe_*)")
 
 
 def _check_engine_implements(cfg: RunConfig, engine_cls, reference: bool) -> None:

@@ -24,9 +24,10 @@ from forgetrain.errors import ConfigError
 class ModelConfig:
     """A Llama-architecture decoder (RMSNorm, RoPE, GQA, SwiGLU, no biases); untied embeddings by default. The
     Qwen3 dense family is the same decoder with ``qk_layernorm``, ``share_embeddings_and_output_weights`` and an
-    explicit ``kv_channels`` (``conf/model/qwen3_*.yaml``). An engine runs these three only where its spec declares
-    them (``EngineSpec.model_features``); their defaults leave :func:`forgetrain.run.identity.config_hash` of every
-    Llama config unchanged."""
+    explicit ``kv_channels`` (``conf/model/qwen3_*.yaml``); the Qwen3-MoE family adds ``num_experts`` and the
+    ``moe_*`` fields (``conf/model/qwen3_moe_*.yaml``). An engine runs these features only where its spec declares
+    them (``EngineSpec.model_features``); their defaults (``num_experts`` None: the ``moe_*`` fields are then not
+    hashed) leave :func:`forgetrain.run.identity.config_hash` of every Llama and dense Qwen3 config unchanged."""
 
     name: str = "llama_tiny"
     vocab_size: int = 4096  # tokens; the data tokenizer's vocabulary must not exceed it
@@ -47,11 +48,28 @@ class ModelConfig:
     share_embeddings_and_output_weights: bool = False
     # head dim d (Megatron's kv_channels); None: hidden_size // num_attention_heads. Qwen3-0.6B: 128 with h 1024, 16 heads
     kv_channels: Optional[int] = None
+    # Mixture of experts (Qwen3-MoE; Megatron's --num-experts family). None: dense. Set: every layer's MLP is
+    # num_experts SwiGLU experts of width moe_ffn_hidden_size behind a softmax top-k router (no shared expert, no
+    # dense MLP in MoE layers), dropless (no capacity factor: each expert takes every token routed to it)
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2  # experts per token (Qwen3-30B-A3B: 8 of 128)
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's SwiGLU width; None: ffn_hidden_size (Megatron's default)
+    # Switch-Transformer load-balancing loss weight (Megatron's moe_aux_loss_coeff; HF's router_aux_loss_coef)
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | none (Megatron's; sinkhorn / seq / global: no)
+    moe_router_score_function: str = "softmax"  # softmax only: softmax over the top-k logits (HF norm_topk_prob)
+    moe_expert_capacity_factor: Optional[float] = None  # must stay None: dropless routing only
 
     @property
     def head_dim(self) -> int:
         """Per-head width d: ``kv_channels``, else ``hidden_size // num_attention_heads``."""
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each expert's SwiGLU width: ``moe_ffn_hidden_size``, else ``ffn_hidden_size`` (Megatron-core 0.16.1
+        ``TransformerConfig.__post_init__``)."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
 
 
 SEED_MAX = 2**31 - 1  # numpy's RandomState takes < 2**32; Megatron adds offsets per rank to the seed

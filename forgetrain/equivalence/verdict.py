@@ -134,8 +134,14 @@ def _ordered(names: Iterable[str], canonical: Callable[[int], Iterable[str]]) ->
     return canon + sorted(names - set(canon))
 
 
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
 def _param_order(names: Iterable[str]) -> list[str]:
-    return _ordered(names, lambda n: hf_param_names(n, qk_layernorm=True))
+    names = list(names)
+    experts = [int(m.group(1)) for n in names if (m := _EXPERT_RE.search(n))]  # HF Qwen3-MoE expert names
+    num_experts = max(experts) + 1 if experts else None
+    return _ordered(names, lambda n: hf_param_names(n, qk_layernorm=True, num_experts=num_experts))
 
 
 def _module_order(names: Iterable[str]) -> list[str]:

@@ -51,10 +51,13 @@ def hashed_config(cfg: RunConfig) -> dict:
     for k in ("timeout_s", "backend"):  # how ranks talk, not what they compute
         p.pop(k, None)
     m = dataclasses.asdict(cfg.model)
-    from forgetrain.levers import MODEL_FEATURES
+    from forgetrain.levers import MODEL_FEATURES, MOE_FIELDS
 
     for k, default in MODEL_FEATURES.items():  # off (a Llama): hashed as before these fields existed
         if m.get(k) == default:
+            m.pop(k, None)
+    if m.get("num_experts") is None:  # dense: the MoE shape fields mean nothing and stay out of the hash
+        for k in MOE_FIELDS:
             m.pop(k, None)
     return json.loads(json.dumps({"model": m, "train": t,
                                   "data": dataclasses.asdict(cfg.data), "parallel": p}, default=str))

@@ -105,6 +105,10 @@ def _timed_step(run: Run, step: int) -> tuple:
            **mfu_metrics(cfg.model, tps, run.peak, run.env.world_size)}
     if device.type == "cuda":  # the peak of allocated device memory so far (torch's allocator), GiB
         rec["mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    extra = getattr(res, "extra", None) or {}  # the engine's own per-step values (StepResult.extra)
+    if clash := sorted(set(extra) & (set(rec) | {"digests", "val_loss"})):
+        raise ValueError(f"StepResult.extra may not replace the trace record's own keys: {clash}")
+    rec.update(extra)
     if t.digests:
         rec["digests"] = _step_digests(engine, res, t.clip_grad)
     return res, rec

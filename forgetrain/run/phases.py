@@ -130,7 +130,7 @@ def open_sinks(run: Run) -> None:
     run.meta = {"side": f"{kind}/{name}", "scenario": cfg.scenario.name, "config_hash": config_hash(cfg),
                 "config": hashed_config(cfg),
                 "precision": t.precision, "platform": cfg.hardware.name, "versions": versions(), "steps": t.steps,
-                "world_size": env.world_size, "mfu_formula": mfu_formula_label(run.peak_label)}
+                "world_size": env.world_size, "mfu_formula": mfu_formula_label(run.peak_label, cfg.model)}
     run.writer = TraceWriter(run.trace_dir, run.meta, run.existing) if env.rank == 0 else None
     if env.rank == 0 and rewound:
         print(f"resuming at step {start}: steps {rewound[0]}-{rewound[1]} ran before the stop and are run again "

@@ -14,7 +14,14 @@ Megatron names (``GPTModel.state_dict()`` without a wrapper prefix) and their HF
 ``output_layer.weight``                     [V, h]              ``lm_head.weight``
 ``decoder.layers.{i}.self_attention.q_layernorm.weight`` [d]    ``...self_attn.q_norm.weight`` (``qk_layernorm``)
 ``decoder.layers.{i}.self_attention.k_layernorm.weight`` [d]    ``...self_attn.k_norm.weight`` (``qk_layernorm``)
+``decoder.layers.{i}.mlp.router.weight``    [E, h]              ``model.layers.{i}.mlp.gate.weight`` (``num_experts``)
+``...mlp.experts.local_experts.{e}.linear_fc1.weight`` [2*fe, h]  ``...mlp.experts.{e}.gate_proj.weight`` ; ``up_proj``
+``...mlp.experts.local_experts.{e}.linear_fc2.weight`` [h, fe]    ``...mlp.experts.{e}.down_proj.weight``
 =============================================================  ==================================================
+
+With ``num_experts`` E (Megatron's MoELayer with SequentialMLP experts, the local spec; HF Qwen3-MoE's names) a
+layer's MLP is the router and E experts of width fe = ``model.expert_ffn_hidden_size`` instead of the dense
+``mlp.linear_fc1`` / ``linear_fc2``; each expert's ``linear_fc1`` is ``[gate; up]`` as the dense one.
 
 With ``share_embeddings_and_output_weights`` the Megatron model has no ``output_layer.weight`` (the LM head uses the
 embedding) and the HF layout no ``lm_head.weight`` (HF saves a tied model so); an HF dict that carries one anyway
@@ -44,9 +51,11 @@ def _dims(model_cfg) -> tuple[int, int, int, int]:
     return np_, ng, np_ // ng, d
 
 
-def megatron_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool = False) -> list[str]:
+def megatron_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool = False,
+                         num_experts: int | None = None) -> list[str]:
     """Megatron GPTModel parameter names (local spec) in forward order; ``qk_layernorm`` adds each layer's
-    ``self_attention.{q,k}_layernorm.weight``, ``tied`` drops ``output_layer.weight``."""
+    ``self_attention.{q,k}_layernorm.weight``, ``tied`` drops ``output_layer.weight``, ``num_experts`` E replaces
+    the dense MLP by ``mlp.router.weight`` and E experts' ``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight``."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(num_layers):
         p = f"decoder.layers.{i}."
@@ -54,14 +63,29 @@ def megatron_param_names(num_layers: int, qk_layernorm: bool = False, tied: bool
                   p + "self_attention.linear_proj.weight"]
         if qk_layernorm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names += [p + "pre_mlp_layernorm.weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        names.append(p + "pre_mlp_layernorm.weight")
+        if num_experts is None:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        else:
+            names.append(p + "mlp.router.weight")
+            for e in range(num_experts):
+                names += [f"{p}mlp.experts.local_experts.{e}.linear_fc{j}.weight" for j in (1, 2)]
     names += ["decoder.final_layernorm.weight"] + ([] if tied else ["output_layer.weight"])
     return names
 
 
 def _names(model_cfg) -> list[str]:
     return megatron_param_names(model_cfg.num_layers, model_cfg.qk_layernorm,
-                                model_cfg.share_embeddings_and_output_weights)
+                                model_cfg.share_embeddings_and_output_weights, model_cfg.num_experts)
+
+
+def _mlps(model_cfg, i: int) -> list[tuple[str, str, int]]:
+    """Layer ``i``'s SwiGLU MLPs as (Megatron prefix, HF prefix, width): the dense MLP, or each expert."""
+    m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    if model_cfg.num_experts is None:
+        return [(m, h, model_cfg.ffn_hidden_size)]
+    fe = model_cfg.expert_ffn_hidden_size
+    return [(f"{m}experts.local_experts.{e}.", f"{h}experts.{e}.", fe) for e in range(model_cfg.num_experts)]
 
 
 def split_qkv(qkv: torch.Tensor, model_cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,7 +119,6 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
         raise KeyError(f"megatron state dict keys differ: missing {sorted(expected - set(sd))}, "
                        f"unexpected {sorted(set(sd) - expected)}")
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"].contiguous()}
-    ffn = model_cfg.ffn_hidden_size
     for i in range(model_cfg.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"].contiguous()
@@ -108,12 +131,15 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
             out[h + "self_attn.k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"].contiguous()
         out[h + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"].contiguous()
         out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"].contiguous()
-        fc1 = sd[m + "mlp.linear_fc1.weight"]
-        if fc1.shape[0] != 2 * ffn:
-            raise ValueError(f"{m}mlp.linear_fc1.weight has {fc1.shape[0]} rows, expected 2*ffn = {2 * ffn}")
-        out[h + "mlp.gate_proj.weight"] = fc1[:ffn].contiguous()
-        out[h + "mlp.up_proj.weight"] = fc1[ffn:].contiguous()
-        out[h + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"].contiguous()
+        if model_cfg.num_experts is not None:
+            out[h + "mlp.gate.weight"] = sd[m + "mlp.router.weight"].contiguous()
+        for mm, hm, ffn in _mlps(model_cfg, i):
+            fc1 = sd[mm + "linear_fc1.weight"]
+            if fc1.shape[0] != 2 * ffn:
+                raise ValueError(f"{mm}linear_fc1.weight has {fc1.shape[0]} rows, expected 2*ffn = {2 * ffn}")
+            out[hm + "gate_proj.weight"] = fc1[:ffn].contiguous()
+            out[hm + "up_proj.weight"] = fc1[ffn:].contiguous()
+            out[hm + "down_proj.weight"] = sd[mm + "linear_fc2.weight"].contiguous()
     out["model.norm.weight"] = sd["decoder.final_layernorm.weight"].contiguous()
     if not model_cfg.share_embeddings_and_output_weights:
         out["lm_head.weight"] = sd["output_layer.weight"].contiguous()
@@ -147,9 +173,12 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
             out[m + "self_attention.q_layernorm.weight"] = sd[h + "self_attn.q_norm.weight"].contiguous()
             out[m + "self_attention.k_layernorm.weight"] = sd[h + "self_attn.k_norm.weight"].contiguous()
         out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"].contiguous()
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]], dim=0).contiguous()
-        out[m + "mlp.linear_fc2.weight"] = sd[h + "mlp.down_proj.weight"].contiguous()
+        if model_cfg.num_experts is not None:
+            out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"].contiguous()
+        for mm, hm, _ in _mlps(model_cfg, i):
+            out[mm + "linear_fc1.weight"] = torch.cat(
+                [sd[hm + "gate_proj.weight"], sd[hm + "up_proj.weight"]], dim=0).contiguous()
+            out[mm + "linear_fc2.weight"] = sd[hm + "down_proj.weight"].contiguous()
     out["decoder.final_layernorm.weight"] = sd["model.norm.weight"].contiguous()
     if not model_cfg.share_embeddings_and_output_weights:
         out["output_layer.weight"] = sd["lm_head.weight"].contiguous()
@@ -176,7 +205,7 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Te
 def tp_partition(name: str):
     """How Megatron param ``name`` is split over TP ranks: 0 / 1 (that dim, contiguous chunks), ``"glu"``
     (``linear_fc1``: gate and up halves chunked separately) or None (replicated)."""
-    if name.endswith("layernorm.weight"):  # the input / pre-MLP / final norms and q/k_layernorm ([d], per head)
+    if name.endswith(("layernorm.weight", "mlp.router.weight")):  # norms ([h]; q/k_layernorm [d]), the MoE router
         return None
     if name.endswith("linear_fc1.weight"):
         return "glu"

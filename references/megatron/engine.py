@@ -13,6 +13,7 @@ losses ``[b, s]``; activations inside are sequence-first ``[s, b, h]``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Iterator
 
@@ -56,6 +57,23 @@ def _init_model_parallel(cfg: RunConfig) -> None:
                                  distributed_timeout_minutes=max(1, p.timeout_s // 60))
 
 
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` (and the fused MoE kernels) from Transformer
+    Engine inside a ``try`` whose ``except ImportError`` binds none of them, and ``RouterGatingLinearFunction``
+    then tests ``te_general_gemm is not None``: without TE the router raises NameError. Binding the missing names
+    to None is what that test expects without TE, so the router takes its own ``torch.mm`` path (and the fused
+    kernels stay off: ``moe_permute_fusion`` / ``moe_router_fusion`` are False). Nothing else changes."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        return
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
 def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
     """Megatron-LM's ``get_ltor_masks_and_position_ids`` mask: bool ``[1, 1, s, s]``, True = masked (j > i)."""
     m = torch.tril(torch.ones((1, seq_length, seq_length), device=device)).view(1, 1, seq_length, seq_length)
@@ -73,7 +91,9 @@ class Engine:
     # the ModelConfig features beyond Llama it runs (forgetrain.levers.MODEL_FEATURES): Megatron's qk_layernorm,
     # share_embeddings_and_output_weights and kv_channels (the Qwen3 dense family); it maps neither engine.recompute
     # nor the optimizer offload, and the bench builds it as verify does
-    spec = EngineSpec(model_features=("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels"))
+    # and Megatron's MoE (num_experts: the Qwen3-MoE family, TP=1)
+    spec = EngineSpec(model_features=("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels",
+                                      "num_experts"))
 
     def __init__(self, cfg: RunConfig, device: torch.device):
         self.cfg = cfg
@@ -86,6 +106,9 @@ class Engine:
                              f"got {p.zero_stage}")
         if t.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be fp32 or bf16, got {t.precision!r}")
+        if m.num_experts is not None and p.tensor_parallel_size != 1:
+            raise ValueError("the Megatron reference engine runs a mixture of experts (model.num_experts) at TP=1 "
+                             "only (the weight exchange has no expert-parallel / expert-TP layout)")
         decay_steps = t.lr_decay_steps or t.steps
         if t.lr_warmup_steps >= decay_steps:
             raise ValueError(f"Megatron's OptimizerParamScheduler needs lr_warmup_steps < lr_decay_steps, got "
@@ -100,6 +123,8 @@ class Engine:
 
         _init_process_group(cfg, self.device)
         _init_model_parallel(cfg)
+        if m.num_experts is not None:
+            _define_missing_te_names()
 
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -173,7 +198,23 @@ class Engine:
             masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
-            apply_query_key_layer_scaling=False, rotary_interleaved=False)
+            apply_query_key_layer_scaling=False, rotary_interleaved=False, **self._moe_config())
+
+    def _moe_config(self) -> dict:
+        """The TransformerConfig fields of a mixture of experts (``model.num_experts``), else none: Megatron's
+        SequentialMLP experts (no grouped GEMM), the allgather token dispatcher, the top-k softmax router (softmax
+        over the top-k logits, ``moe_router_pre_softmax=False``), dropless (no capacity factor), no shared expert,
+        and the load-balancing loss ``moe_router_load_balancing_type`` weighted by ``moe_aux_loss_coeff``."""
+        m = self.cfg.model
+        if m.num_experts is None:
+            return {}
+        return dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                    moe_ffn_hidden_size=m.expert_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+                    moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+                    moe_router_score_function=m.moe_router_score_function, moe_router_pre_softmax=False,
+                    moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_expert_capacity_factor=None,
+                    moe_shared_expert_intermediate_size=None, moe_permute_fusion=False, moe_router_fusion=False,
+                    moe_router_dtype=None, moe_z_loss_coeff=None, moe_input_jitter_eps=None)
 
     def _build_gpt(self):
         """Seed and build a fresh GPTModel (CPU-initialised, then moved to the device by the caller)."""
@@ -187,7 +228,8 @@ class Engine:
         model_parallel_cuda_manual_seed(t.seed)
         return GPTModel(
             config=self.tcfg,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=m.qk_layernorm,
+                                                            num_experts=m.num_experts, moe_grouped_gemm=False),
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length, pre_process=True, post_process=True,
             fp16_lm_cross_entropy=False, parallel_output=True,
             share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
@@ -383,9 +425,10 @@ class Engine:
         per_token: list[torch.Tensor] = []
         losses: list[torch.Tensor] = []
         forward_backward = get_forward_backward_func()
-        forward_backward(forward_step_func=self._forward_step_func(per_token, losses),
-                         data_iterator=iter(micro_batches), model=[self.model], num_microbatches=n_micro,
-                         seq_length=m.seq_length, micro_batch_size=t.micro_batch_size, forward_only=False)
+        with self._moe_stats(n_micro) as extra:
+            forward_backward(forward_step_func=self._forward_step_func(per_token, losses),
+                             data_iterator=iter(micro_batches), model=[self.model], num_microbatches=n_micro,
+                             seq_length=m.seq_length, micro_batch_size=t.micro_batch_size, forward_only=False)
         # finalize_model_grads (DP all-reduce; identity for DP=1) ran inside the schedule.
 
         # Pre-clip snapshot of the accumulated fp32 grads (Megatron clips main_grad in place in step()).
@@ -400,7 +443,43 @@ class Engine:
 
         loss = torch.stack(losses).mean()  # Megatron-LM training_log: mean over micro-batch losses
         return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), lr=float(lr),
-                          per_token_loss=torch.stack(per_token).float().cpu())
+                          per_token_loss=torch.stack(per_token).float().cpu(), extra=extra or None)
+
+    @contextlib.contextmanager
+    def _moe_stats(self, n_micro: int):
+        """For a mixture of experts, the step's routing statistics (``StepResult.extra``), filled in on exit:
+        ``moe_tokens_per_expert`` ``[L][E]`` ints, each layer's ``tokens_per_expert`` as its SequentialMLP receives
+        them (a forward pre-hook), summed over the micro-batches; ``moe_load_balancing_loss`` ``[L]`` floats (with
+        ``moe_aux_loss_coeff > 0``), Megatron's aux-losses tracker (``moe_utils.save_to_aux_losses_tracker``: per
+        layer the sum over micro-batches of aux_loss / coeff, fp32) divided by the micro-batch count in fp32, then
+        cleared. Yields the dict; empty for a dense model."""
+        extra: dict = {}
+        if self.cfg.model.num_experts is None:
+            yield extra
+            return
+        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                             get_moe_layer_wise_logging_tracker)
+
+        counts = [torch.zeros(self.cfg.model.num_experts, dtype=torch.long) for _ in self.gpt.decoder.layers]
+
+        def hook(i):
+            def pre(_module, args):
+                counts[i].add_(args[1].to("cpu", torch.long))
+            return pre
+
+        clear_aux_losses_tracker()
+        handles = [layer.mlp.experts.register_forward_pre_hook(hook(i))
+                   for i, layer in enumerate(self.gpt.decoder.layers)]
+        try:
+            yield extra
+        finally:
+            for h in handles:
+                h.remove()
+        extra["moe_tokens_per_expert"] = [c.tolist() for c in counts]
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if tracked is not None and tracked.get("values") is not None:
+            extra["moe_load_balancing_loss"] = (tracked["values"].detach().float().cpu() / n_micro).tolist()
+        clear_aux_losses_tracker()
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:

@@ -1,0 +1,233 @@
+"""The Qwen3-MoE engine (``scenarios/qwen3_moe``, scenario ``qwen3_moe_tiny_cpu``) and the harness's MoE fields:
+bitwise against Megatron-core's MoE GPTModel on CPU at the ``qwen3_moe_micro`` shape (fp32, bf16), wrong engines
+rejected (top-k probabilities not renormalised, aux-loss weight x2, expert outputs summed in another order), the
+HF Qwen3-MoE exchange, the parameter counts and the active-parameter MFU, and the config refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgetrain.config import RunConfig
+from forgetrain.config.schema import ModelConfig
+from tests.limits import hang_s
+
+ROOT = Path(__file__).resolve().parent.parent
+MOE_MICRO = ModelConfig(name="qwen3_moe_micro", vocab_size=4096, hidden_size=64, num_layers=2, num_attention_heads=4,
+                        num_query_groups=2, kv_channels=32, ffn_hidden_size=176, seq_length=32, rotary_base=1e6,
+                        norm_epsilon=1e-6, qk_layernorm=True, num_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.001)
+VERIFY = ["scenario=qwen3_moe_tiny_cpu", "model=qwen3_moe_micro", "train.micro_batch_size=2",
+          "train.global_batch_size=4", "train.lr_warmup_steps=2", "verify.steps=4", "tier=bitwise", "train.threads=1"]
+
+
+def _verify(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forgetrain.verify", *VERIFY, f"verify.out_dir={out}", *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=hang_s())
+
+
+def _verdict(out: Path) -> dict:
+    return json.loads((out / "verdict.json").read_text())["verdicts"][0]
+
+
+def test_moe_config_file_matches_the_test_shape():
+    import yaml
+
+    assert ModelConfig(**yaml.safe_load((ROOT / "conf/model/qwen3_moe_micro.yaml").read_text())) == MOE_MICRO
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_engine_is_bitwise_vs_megatron(tmp_path, precision):
+    p = _verify(tmp_path, f"train.precision={precision}")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "strictest equivalence tier passed: bitwise" in p.stdout
+    # both sides report the same routing statistics, every step (StepResult.extra in the trace)
+    recs = {side: [json.loads(x) for x in (tmp_path / side / "trace" / "trace.jsonl").read_text().splitlines()]
+            for side in ("reference", "candidate")}
+    for r, c in zip(recs["reference"], recs["candidate"]):
+        assert r["moe_tokens_per_expert"] == c["moe_tokens_per_expert"]
+        assert r["moe_load_balancing_loss"] == c["moe_load_balancing_loss"]
+        # 2 micro-batches x 64 tokens x top-2 routed per layer
+        assert [sum(x) for x in r["moe_tokens_per_expert"]] == [256, 256]
+
+
+# ------------------------------------------------------------------------------------------ wrong engines
+def _unnormalised(logits, topk):
+    """The top-k probabilities as softmax over all experts, not renormalised over the k chosen."""
+    _, idx = torch.topk(logits, k=topk, dim=1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, idx).type_as(logits)
+    return (torch.zeros_like(logits).scatter(1, idx, probs),
+            torch.zeros_like(logits).int().scatter(1, idx, 1).bool())
+
+
+def _reversed_unpermute(permuted, sorted_indices, restore_shape):
+    """The expert outputs summed into each token in reverse expert order."""
+    out = torch.zeros(restore_shape, dtype=permuted.dtype, device=permuted.device)
+    idx = sorted_indices.flip(0)
+    out.scatter_add_(0, idx.unsqueeze(1).expand(-1, restore_shape[-1]), permuted.flip(0))
+    return out
+
+
+def _mutant(kind: str):
+    from scenarios.qwen3_moe import moe
+    from scenarios.qwen3_moe.engine import Engine as Good
+
+    class Mutant(Good):
+        def __init__(self, cfg, device):
+            super().__init__(cfg, device)
+            if kind == "unnormalised":
+                moe.topk_softmax_routing = _unnormalised
+            elif kind == "aux_x2":
+                for layer in self.model.moe_layers():
+                    layer.coeff *= 2.0
+            else:
+                moe.unpermute = _reversed_unpermute
+    return Mutant
+
+
+MUTANTS = {"unnormalised": "UnnormalisedMutant", "aux_x2": "AuxX2Mutant", "sum_order": "SumOrderMutant"}
+
+
+def __getattr__(name):  # the mutants, built on first access (scenario.engine=tests.test_moe:<name>)
+    for kind, attr in MUTANTS.items():
+        if name == attr:
+            return _mutant(kind)
+    raise AttributeError(name)
+
+
+@pytest.mark.parametrize("kind,extra,where", [
+    # the probabilities scale each expert's activations: layer 0's MoE output differs in the first forward
+    ("unnormalised", [], ("module_fwd", "layers.0.mlp")),
+    # the forward is unchanged; the aux loss's gradient reaches the router logits, so layer 1's MoE input
+    # gradient (the pre-MLP norm's output) is the first to differ
+    ("aux_x2", [], ("module_grad", "layers.1.pre_mlp_norm")),
+    # with top-2 the two addends of a token commute exactly (0 + a + b == 0 + b + a), so the order shows from top-3
+    ("sum_order", ["model.moe_router_topk=3"], ("module_fwd", "layers.0.mlp")),
+])
+def test_bitwise_rejects_a_wrong_moe_engine(tmp_path, kind, extra, where):
+    p = _verify(tmp_path, f"scenario.engine=tests.test_moe:{MUTANTS[kind]}", *extra)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    d = _verdict(tmp_path)["first_divergence"]
+    assert d["step"] == 1 and (d["kind"], d["module"]) == where, d
+
+
+def test_top2_sum_order_is_exact():
+    """Why the sum-order mutant needs top-3: two addends into a zero buffer give the same bits in either order."""
+    from scenarios.qwen3_moe import moe
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, 5, generator=g)
+    idx = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    assert torch.equal(moe.unpermute(rows, idx, (4, 5)), _reversed_unpermute(rows, idx, (4, 5)))
+
+
+# ------------------------------------------------------------------------------------------ weights exchange
+def _hf_state(m: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    from scenarios.qwen3_moe import layout
+    from scenarios.qwen3_moe.engine import Engine
+
+    e = Engine(RunConfig(model=m), "cpu")
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) for k, v in e.export_hf_weights().items()}
+
+
+def test_moe_weights_round_trip_through_engine_and_megatron_layout():
+    from forgetrain.engine import hf_names
+    from references.megatron import convert
+    from scenarios.qwen3_moe.engine import Engine
+
+    m = MOE_MICRO
+    hf = _hf_state(m)
+    assert set(hf) == set(hf_names(m))  # the engine exports HF Qwen3-MoE names
+    assert hf["model.layers.1.mlp.gate.weight"].shape == (4, 64)
+    assert hf["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (64, 32)
+    meg = convert.hf_to_megatron(hf, m)
+    assert set(meg) == set(convert.megatron_param_names(2, qk_layernorm=True, num_experts=4))
+    fc1 = meg["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([hf["model.layers.0.mlp.experts.2.gate_proj.weight"],
+                                       hf["model.layers.0.mlp.experts.2.up_proj.weight"]]))
+    back = convert.megatron_to_hf(meg, m)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    e = Engine(RunConfig(model=m), "cpu")
+    e.load_hf_weights(hf)
+    out = e.export_hf_weights()
+    assert all(torch.equal(out[k], hf[k]) for k in hf)
+
+
+def test_moe_engine_checkpoint_round_trip():
+    from scenarios.qwen3_moe.engine import Engine
+
+    cfg = RunConfig(model=MOE_MICRO)
+    cfg.train.micro_batch_size = 2
+    e = Engine(cfg, "cpu")
+    batch = [torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    e.train_step(batch)
+
+    def clone(x):
+        return {k: clone(v) for k, v in x.items()} if isinstance(x, dict) else (
+            x.clone() if isinstance(x, torch.Tensor) else x)
+    state = clone(e.state_dict())
+    r1 = e.train_step(batch)
+    f = Engine(cfg, "cpu")
+    f.load_state_dict(state)
+    r2 = f.train_step(batch)
+    assert (r1.loss, r1.grad_norm, r1.extra) == (r2.loss, r2.grad_norm, r2.extra)
+
+
+# ------------------------------------------------------------------------------------------ counts and MFU
+def test_param_counts_and_active_mfu():
+    from forgetrain import metrics
+    from scenarios.qwen3_moe.engine import Engine
+
+    m = MOE_MICRO
+    c = metrics.param_counts(m)
+    assert c["total"] == sum(p.numel() for p in Engine(RunConfig(model=m), "cpu").model.parameters())
+    h, fe, L = 64, 32, 2
+    # per layer 4 experts x 3 h fe, of which top-2 run per token; the router [E, h] counts whole
+    assert c["non_embedding"] - c["active_non_embedding"] == L * (4 - 2) * 3 * h * fe
+    assert metrics.flops_per_token(m) == 6 * c["active_non_embedding"] + 12 * L * h * m.seq_length
+    assert metrics.MOE_MFU_NOTE in metrics.mfu_formula_label("peak X", m)
+    assert "active" not in metrics.mfu_formula_label("peak X", dataclasses.replace(m, num_experts=None))
+    dense = dataclasses.replace(m, num_experts=None)
+    assert metrics.param_counts(dense)["active_non_embedding"] == metrics.param_counts(dense)["non_embedding"]
+    # Qwen3-30B-A3B (its model card: 30.5B parameters, 29.9B non-embedding, 3.3B activated: 3.353B here with the
+    # embedding and LM head, which the card's one decimal states as 3.3B)
+    big = dataclasses.replace(m, vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
+                              num_query_groups=4, kv_channels=128, num_experts=128, moe_router_topk=8,
+                              moe_ffn_hidden_size=768)
+    b = metrics.param_counts(big)
+    assert round(b["total"] / 1e9, 1) == 30.5
+    assert round((b["non_embedding"] - big.vocab_size * big.hidden_size) / 1e9, 1) == 29.9  # both embeddings out
+    assert 3.3e9 <= b["active_non_embedding"] + b["embedding"] < 3.4e9
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_dense_config_hash_is_unchanged_by_the_moe_fields():
+    from forgetrain.train import config_hash, hashed_config
+
+    rc = RunConfig()
+    assert not {"num_experts", "moe_router_topk", "moe_aux_loss_coeff"} & set(hashed_config(rc)["model"])
+    moe = dataclasses.replace(rc, model=dataclasses.replace(rc.model, num_experts=4))
+    assert "moe_router_topk" in hashed_config(moe)["model"] and config_hash(moe) != config_hash(rc)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["scenario=qwen3_tiny_cpu", "model=qwen3_moe_micro"],
+     "model.num_experts=4 is not implemented by engine scenarios.qwen3_0p6b_h200.engine:Engine"),
+    (["scenario=qwen3_tiny_cpu", "model.moe_aux_loss_coeff=0.01"],
+     "model.moe_aux_loss_coeff=0.01 needs model.num_experts"),
+    (["scenario=qwen3_moe_tiny_cpu", "model.moe_router_topk=9"], "model.moe_router_topk must lie in [1, "),
+    (["scenario=qwen3_moe_tiny_cpu", "model.moe_expert_capacity_factor=1.0"], "only dropless routing"),
+])
+def test_bad_moe_combinations_are_one_error_line(tmp_path, args, match):
+    p = subprocess.run([sys.executable, "-m", "forgetrain", *args, "train.steps=2", f"train.out_dir={tmp_path}/o"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=hang_s())
+    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (p.returncode, p.stderr)
+    assert match in lines[0], lines[0]
