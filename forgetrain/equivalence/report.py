@@ -73,6 +73,56 @@ def _curve(d: str) -> tuple[np.ndarray, np.ndarray] | None:
     return steps[order], loss[order]
 
 
+def _plot_difference(ax2, refs: list, cand: tuple, windows: list, lc) -> None:
+    """The bottom panel of :func:`plot_loss_curves` without a paired verdict: candidate - reference mean per
+    common step, as log |diff| at rounding level, else signed with its running mean and the band around zero."""
+    common = sorted(set.intersection(*(set(s.tolist()) for _, (s, _) in refs), set(cand[0].tolist())))
+    if not common:
+        return
+
+    def at(curve):
+        idx = {int(s): j for j, s in enumerate(curve[0])}
+        return np.array([curve[1][idx[s]] for s in common])
+
+    R = np.stack([at(c) for _, c in refs])
+    mean = R.mean(axis=0)
+    diff = at(cand) - mean
+    x = np.array(common)
+    label = "cand - reference" if len(refs) == 1 else f"cand - mean of {len(refs)} references"
+    nz = np.abs(diff[np.isfinite(diff) & (diff != 0)])
+    scale = float(np.nanmean(np.abs(mean))) or 1.0
+    if nz.size == 0:
+        ax2.axhline(0.0, color="tab:red", lw=1)
+        ax2.text(0.5, 0.5, "candidate == reference at every compared step", transform=ax2.transAxes,
+                 ha="center", va="center")
+        ax2.set_ylabel("cand - ref (nats)")
+    elif nz.max() < 1e-3 * scale:  # rounding-level differences: magnitudes matter, use log |diff|
+        ax2.semilogy(x, np.abs(diff), ".-", ms=3, lw=0.6, color="tab:red", label=f"|{label}|")
+        if len(refs) > 1:
+            for i in range(len(refs)):
+                ax2.semilogy(x, np.abs(R[i] - mean), lw=0.6, color="0.6",
+                             label="|seed - mean| (reference spread)" if i == 0 else None)
+        ax2.set_ylabel("|cand - ref| (nats, log)")
+        ax2.legend(fontsize=8, loc="upper right")
+    else:  # noisy curves: signed per-step diff, its running mean, and the band around zero
+        for j, w in enumerate(windows):
+            s0, s1 = w["steps"]
+            ax2.fill_between([s0, s1], [-w["half_width"]] * 2, [w["half_width"]] * 2, color="0.88",
+                             zorder=0, label="band half-width" if j == 0 else None)
+        if len(refs) > 1:
+            for i in range(len(refs)):
+                ax2.plot(x, R[i] - mean, lw=0.5, color="0.6",
+                         label="seed - mean (reference spread)" if i == 0 else None)
+        ax2.plot(x, diff, lw=0.6, color="tab:red", alpha=0.45, label=label)
+        win = int(lc.evidence["window_steps"]) if lc is not None else max(1, len(x) // 20)
+        if win > 1 and len(x) >= win:
+            run = np.convolve(diff, np.ones(win) / win, mode="valid")
+            ax2.plot(x[win - 1:], run, lw=1.6, color="tab:red", label=f"running mean ({win} steps)")
+        ax2.axhline(0.0, color="k", lw=0.5)
+        ax2.set_ylabel("cand - ref (nats)")
+        ax2.legend(fontsize=8, loc="upper left", ncol=2)
+
+
 def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | None,
                      verdicts: Sequence[Verdict] = ()) -> Path:
     """Write a two-panel PNG. Top: losses of the references and the candidate, and, when a loss_curve verdict
@@ -126,49 +176,7 @@ def plot_loss_curves(path: str | Path, ref_dirs: Any, cand_dir: str | Path | Non
     if paired is not None:
         _plot_paired(ax2, paired)
     elif refs and cand is not None:
-        common = sorted(set.intersection(*(set(s.tolist()) for _, (s, _) in refs), set(cand[0].tolist())))
-        if common:
-            def at(curve):
-                idx = {int(s): j for j, s in enumerate(curve[0])}
-                return np.array([curve[1][idx[s]] for s in common])
-
-            R = np.stack([at(c) for _, c in refs])
-            mean = R.mean(axis=0)
-            diff = at(cand) - mean
-            x = np.array(common)
-            label = "cand - reference" if len(refs) == 1 else f"cand - mean of {len(refs)} references"
-            nz = np.abs(diff[np.isfinite(diff) & (diff != 0)])
-            scale = float(np.nanmean(np.abs(mean))) or 1.0
-            if nz.size == 0:
-                ax2.axhline(0.0, color="tab:red", lw=1)
-                ax2.text(0.5, 0.5, "candidate == reference at every compared step", transform=ax2.transAxes,
-                         ha="center", va="center")
-                ax2.set_ylabel("cand - ref (nats)")
-            elif nz.max() < 1e-3 * scale:  # rounding-level differences: magnitudes matter, use log |diff|
-                ax2.semilogy(x, np.abs(diff), ".-", ms=3, lw=0.6, color="tab:red", label=f"|{label}|")
-                if len(refs) > 1:
-                    for i in range(len(refs)):
-                        ax2.semilogy(x, np.abs(R[i] - mean), lw=0.6, color="0.6",
-                                     label="|seed - mean| (reference spread)" if i == 0 else None)
-                ax2.set_ylabel("|cand - ref| (nats, log)")
-                ax2.legend(fontsize=8, loc="upper right")
-            else:  # noisy curves: signed per-step diff, its running mean, and the band around zero
-                for j, w in enumerate(windows):
-                    s0, s1 = w["steps"]
-                    ax2.fill_between([s0, s1], [-w["half_width"]] * 2, [w["half_width"]] * 2, color="0.88",
-                                     zorder=0, label="band half-width" if j == 0 else None)
-                if len(refs) > 1:
-                    for i in range(len(refs)):
-                        ax2.plot(x, R[i] - mean, lw=0.5, color="0.6",
-                                 label="seed - mean (reference spread)" if i == 0 else None)
-                ax2.plot(x, diff, lw=0.6, color="tab:red", alpha=0.45, label=label)
-                win = int(lc.evidence["window_steps"]) if lc is not None else max(1, len(x) // 20)
-                if win > 1 and len(x) >= win:
-                    run = np.convolve(diff, np.ones(win) / win, mode="valid")
-                    ax2.plot(x[win - 1:], run, lw=1.6, color="tab:red", label=f"running mean ({win} steps)")
-                ax2.axhline(0.0, color="k", lw=0.5)
-                ax2.set_ylabel("cand - ref (nats)")
-                ax2.legend(fontsize=8, loc="upper left", ncol=2)
+        _plot_difference(ax2, refs, cand, windows, lc)
     else:
         ax2.text(0.5, 0.5, "no reference/candidate pair to difference", transform=ax2.transAxes,
                  ha="center", va="center")

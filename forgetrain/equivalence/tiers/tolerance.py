@@ -46,69 +46,11 @@ def _oracle_note(rescued: list[dict], total: dict | None, th: Mapping) -> str:
     return "; ".join(parts)
 
 
-def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = None,
-              oracle_dir: str | Path | None = None) -> Verdict:
-    """Tolerance tier: per-step relative errors and final-parameter relative L2 errors within per-dtype thresholds.
-
-    Oracle mode (``oracle_dir``: an fp32 run of the reference from the same weights and batches; used for
-    reduced precision). A value that exceeds its direct threshold still passes when the candidate is no further
-    from the fp32 oracle than ``oracle_slack`` x the reference's own demonstrated error against it (the running
-    max up to that step; for final params, the reference's per-tensor rel L2 vs the oracle). This is the kernel
-    forge's criterion -- not worse than the replaced implementation's own error -- applied to whole engines: a
-    bf16 candidate that is *more* accurate than the bf16 reference must not fail because the reference drifted.
-
-    Inputs: two trace directories of the same precision (``meta.json`` ``"precision"``: ``fp32`` | ``bf16``, or
-    ``cfg.precision``); ``cfg`` overrides ``conf/tier/tolerance.yaml``, which holds the thresholds and the
-    derivation of every number (unit roundoff 2^-24 / 2^-8 times a growth factor).
-
-    Per step s (steps 1..max_steps, all by default): ``rel = |cand - ref| / max(|ref|, denominator_floor)`` for
-    ``loss`` (nats), ``grad_norm`` and ``lr`` must be <= ``loss_rtol`` / ``grad_norm_rtol`` / ``lr_rtol``;
-    ``tokens`` must be equal. A missing or non-finite value has rel = inf. Final params (fp64 arithmetic): per
-    tensor ``||c - r|| / ||r||`` <= ``param_rel_l2`` and over all tensors ``sqrt(sum ||c - r||^2) /
-    sqrt(sum ||r||^2)`` <= ``param_rel_l2_total``; names and shapes must match.
-
-    Evidence: per metric max/mean rel error, worst step, the number of steps exceeding; per tensor rel L2, the
-    worst tensor, the total. ``first_divergence``: the first step exceeding (loss, then grad_norm, then lr),
-    else the first tensor (``hf_param_names`` order) exceeding, reported at the last step.
-
-    Fails (verdict, no exception) when precisions differ or are unknown, when the candidate lacks steps, or when
-    final params are required and missing. Raises FileNotFoundError without ``trace.jsonl``, ConfigError when
-    the yaml has no thresholds for the precision.
-    """
-    cfg = _tier_cfg("tolerance", cfg)
-    ref_meta, ref_recs = read_trace(ref_dir)
-    cand_meta, cand_recs = read_trace(cand_dir)
-    problems: list[str] = []
-    prec_ref, prec_cand = ref_meta.get("precision"), cand_meta.get("precision")
-    precision = cfg.get("precision") or prec_ref
-    evidence: dict[str, Any] = {"precision": precision, "precision_meta": {"ref": prec_ref, "cand": prec_cand},
-                                "config": cfg}
-    if not cfg.get("precision") and prec_ref != prec_cand:
-        summary = f"precisions differ (ref {prec_ref}, cand {prec_cand}): not a tolerance comparison"
-        return Verdict("tolerance", False, summary, evidence, None)
-    if precision is None:
-        return Verdict("tolerance", False, "meta.json has no precision and cfg.precision is unset", evidence, None)
-    th = (cfg.get("thresholds") or {}).get(precision)
-    if th is None:
-        raise ConfigError(f"tolerance.yaml has no thresholds for precision {precision!r}")
-    evidence["thresholds"] = th
-    floor = float(cfg["denominator_floor"])
-
-    ref, _ = _by_step(ref_recs)
-    cand, _ = _by_step(cand_recs)
-    steps = sorted(ref)
-    max_steps = cfg.get("max_steps")
-    if max_steps is not None:
-        steps = [s for s in steps if s <= int(max_steps)]
-    if not steps:
-        problems.append(f"reference trace {ref_dir} has no step records")
-    missing = [s for s in steps if s not in cand]
-    if missing:
-        problems.append(f"candidate lacks {len(missing)} step(s) of the reference (first: step {missing[0]})")
-    extra = sorted(s for s in cand if s not in ref and (max_steps is None or s <= int(max_steps)))
-    if extra:
-        problems.append(f"candidate has {len(extra)} step(s) the reference lacks (first: step {extra[0]})")
-
+def _step_checks(ref: dict, cand: dict, steps: list[int], th: Mapping, floor: float, cfg: Mapping,
+                 oracle_dir, evidence: dict) -> tuple[list[dict], dict]:
+    """:func:`tolerance`'s per-step checks of loss, grad_norm and lr (and equal tokens): the divergences (each a
+    dict with step, kind, ref, cand, rel_err, threshold) and the per-metric evidence. With ``oracle_dir``, an
+    exceedance that the fp32 oracle rescues is recorded in ``evidence["oracle"]["rescued"]`` instead."""
     divergences: list[dict] = []
     metrics = (("loss", "loss_rtol"), ("grad_norm", "grad_norm_rtol"), ("lr", "lr_rtol"))
     metric_ev = {}
@@ -146,12 +88,17 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
             metric_ev[m] = {"max_rel": errs[i], "mean_rel": float(np.mean(errs)), "worst_step": steps[i],
                             "n_exceeding": sum(not e <= float(th[key]) for e in errs),
                             "threshold": float(th[key])}
-    evidence["steps_compared"] = len(steps)
-    evidence["metrics"] = metric_ev
+    return divergences, metric_ev
 
-    # Final parameters.
+
+def _final_params_check(ref_dir, cand_dir, oracle_dir, cfg: Mapping, th: Mapping, n_total: int, evidence: dict,
+                        divergences: list, problems: list) -> dict:
+    """:func:`tolerance`'s final-parameter check (fp64 arithmetic): per-tensor and total relative L2 against the
+    thresholds, with the fp32 oracle's rescue where given. Appends to ``divergences`` and ``problems``; returns the
+    evidence of ``evidence["final_params"]``."""
+    floor, slack = float(cfg["denominator_floor"]), float(cfg.get("oracle_slack", 2.0))
+    max_steps = cfg.get("max_steps")
     final_ev: dict[str, Any] = {"compared": False}
-    n_total = _trace_length(ref_recs)
     if max_steps is not None and n_total > int(max_steps):
         final_ev["reason"] = (f"skipped: the run has {n_total} steps > max_steps={max_steps}, and final params "
                               "reflect every step")
@@ -218,20 +165,19 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
                     total = min(total, tot_th)
             if not total <= tot_th:
                 problems.append(f"final params: total rel L2 {_fmt(total)} > {tot_th:g}")
-    order = {"tokens": 0, "loss": 1, "grad_norm": 2, "lr": 3, "param": 4}
-    divergences.sort(key=lambda d: (d["step"], order[d["kind"]]))  # stable: tensors stay in hf order
-    evidence["final_params"] = final_ev
-    evidence["problems"] = problems
-    evidence["n_divergences"] = len(divergences)
-    evidence["divergences"] = divergences[:20]
+    return final_ev
+
+
+def _summary(precision: str, n_steps: int, metric_ev: dict, final_ev: dict, evidence: dict, th: Mapping,
+             divergences: list, problems: list) -> str:
+    """The one-line summary of a tolerance verdict: the worst errors when it passed, else its first exceedance."""
     first = divergences[0] if divergences else None
-    passed = not divergences and not problems
-    if passed:
+    if not divergences and not problems:
         worst_parts = [f"{m} max rel {_fmt(v['max_rel'])} (step {v['worst_step']})" for m, v in metric_ev.items()
                        if m != "lr"]
         if final_ev.get("compared"):
             worst_parts.append(f"final params rel L2 {_fmt(final_ev['total_rel_l2'])}")
-        summary = f"{precision}: {len(steps)} steps within tolerance; " + "; ".join(worst_parts)
+        summary = f"{precision}: {n_steps} steps within tolerance; " + "; ".join(worst_parts)
         note = _oracle_note(evidence.get("oracle", {}).get("rescued", []), final_ev.get("oracle_total"), th)
         if note:
             summary += f"; {note}"
@@ -243,4 +189,85 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
             summary += f"; also: {problems[0]}"
     else:
         summary = f"{precision}: {problems[0]}"
+    return summary
+
+
+def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = None,
+              oracle_dir: str | Path | None = None) -> Verdict:
+    """Tolerance tier: per-step relative errors and final-parameter relative L2 errors within per-dtype thresholds.
+
+    Oracle mode (``oracle_dir``: an fp32 run of the reference from the same weights and batches; used for
+    reduced precision). A value that exceeds its direct threshold still passes when the candidate is no further
+    from the fp32 oracle than ``oracle_slack`` x the reference's own demonstrated error against it (the running
+    max up to that step; for final params, the reference's per-tensor rel L2 vs the oracle). This is the kernel
+    forge's criterion -- not worse than the replaced implementation's own error -- applied to whole engines: a
+    bf16 candidate that is *more* accurate than the bf16 reference must not fail because the reference drifted.
+
+    Inputs: two trace directories of the same precision (``meta.json`` ``"precision"``: ``fp32`` | ``bf16``, or
+    ``cfg.precision``); ``cfg`` overrides ``conf/tier/tolerance.yaml``, which holds the thresholds and the
+    derivation of every number (unit roundoff 2^-24 / 2^-8 times a growth factor).
+
+    Per step s (steps 1..max_steps, all by default): ``rel = |cand - ref| / max(|ref|, denominator_floor)`` for
+    ``loss`` (nats), ``grad_norm`` and ``lr`` must be <= ``loss_rtol`` / ``grad_norm_rtol`` / ``lr_rtol``;
+    ``tokens`` must be equal. A missing or non-finite value has rel = inf. Final params (fp64 arithmetic): per
+    tensor ``||c - r|| / ||r||`` <= ``param_rel_l2`` and over all tensors ``sqrt(sum ||c - r||^2) /
+    sqrt(sum ||r||^2)`` <= ``param_rel_l2_total``; names and shapes must match.
+
+    Evidence: per metric max/mean rel error, worst step, the number of steps exceeding; per tensor rel L2, the
+    worst tensor, the total. ``first_divergence``: the first step exceeding (loss, then grad_norm, then lr),
+    else the first tensor (``hf_param_names`` order) exceeding, reported at the last step.
+
+    Fails (verdict, no exception) when precisions differ or are unknown, when the candidate lacks steps, or when
+    final params are required and missing. Raises FileNotFoundError without ``trace.jsonl``, ConfigError when
+    the yaml has no thresholds for the precision.
+    """
+    cfg = _tier_cfg("tolerance", cfg)
+    ref_meta, ref_recs = read_trace(ref_dir)
+    cand_meta, cand_recs = read_trace(cand_dir)
+    problems: list[str] = []
+    prec_ref, prec_cand = ref_meta.get("precision"), cand_meta.get("precision")
+    precision = cfg.get("precision") or prec_ref
+    evidence: dict[str, Any] = {"precision": precision, "precision_meta": {"ref": prec_ref, "cand": prec_cand},
+                                "config": cfg}
+    if not cfg.get("precision") and prec_ref != prec_cand:
+        summary = f"precisions differ (ref {prec_ref}, cand {prec_cand}): not a tolerance comparison"
+        return Verdict("tolerance", False, summary, evidence, None)
+    if precision is None:
+        return Verdict("tolerance", False, "meta.json has no precision and cfg.precision is unset", evidence, None)
+    th = (cfg.get("thresholds") or {}).get(precision)
+    if th is None:
+        raise ConfigError(f"tolerance.yaml has no thresholds for precision {precision!r}")
+    evidence["thresholds"] = th
+    floor = float(cfg["denominator_floor"])
+
+    ref, _ = _by_step(ref_recs)
+    cand, _ = _by_step(cand_recs)
+    steps = sorted(ref)
+    max_steps = cfg.get("max_steps")
+    if max_steps is not None:
+        steps = [s for s in steps if s <= int(max_steps)]
+    if not steps:
+        problems.append(f"reference trace {ref_dir} has no step records")
+    missing = [s for s in steps if s not in cand]
+    if missing:
+        problems.append(f"candidate lacks {len(missing)} step(s) of the reference (first: step {missing[0]})")
+    extra = sorted(s for s in cand if s not in ref and (max_steps is None or s <= int(max_steps)))
+    if extra:
+        problems.append(f"candidate has {len(extra)} step(s) the reference lacks (first: step {extra[0]})")
+
+    divergences, metric_ev = _step_checks(ref, cand, steps, th, floor, cfg, oracle_dir, evidence)
+    evidence["steps_compared"] = len(steps)
+    evidence["metrics"] = metric_ev
+
+    n_total = _trace_length(ref_recs)
+    final_ev = _final_params_check(ref_dir, cand_dir, oracle_dir, cfg, th, n_total, evidence, divergences, problems)
+    order = {"tokens": 0, "loss": 1, "grad_norm": 2, "lr": 3, "param": 4}
+    divergences.sort(key=lambda d: (d["step"], order[d["kind"]]))  # stable: tensors stay in hf order
+    evidence["final_params"] = final_ev
+    evidence["problems"] = problems
+    evidence["n_divergences"] = len(divergences)
+    evidence["divergences"] = divergences[:20]
+    first = divergences[0] if divergences else None
+    passed = not divergences and not problems
+    summary = _summary(precision, len(steps), metric_ev, final_ev, evidence, th, divergences, problems)
     return Verdict("tolerance", passed, summary, evidence, first)
