@@ -140,7 +140,7 @@ def test_every_engine_states_its_capabilities_in_its_spec_alone():
                     loose += [f"{f.relative_to(ROOT)}:{node.name}.{n}" for n in sorted(names & LOOSE_CAPABILITIES)]
     assert not loose, f"capabilities outside the spec: {loose}"
     qwen3 = ("qk_layernorm", "share_embeddings_and_output_weights", "kv_channels")
-    want = {"megatron": {"model_features": qwen3}, "deepspeed": {"recompute": True, "bench_side": True, "fixed_grad_accum": True},
+    want = {"megatron": {"model_features": qwen3 + ("num_experts",)}, "deepspeed": {"recompute": True, "bench_side": True, "fixed_grad_accum": True},
             "torch_compile": {"recompute": True, "recompute_num_layers": True, "bench_only": True},
             "torch_compile_autocast": {"recompute": True, "recompute_num_layers": True, "bench_only": True},
             "torchtitan": {"recompute": True}}  # .ci/run installs deepspeed and torchtitan

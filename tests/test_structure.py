@@ -26,8 +26,6 @@ MAX_FUNCTION_LINES = 100
 # forgetrain/forge/ are being reworked by another change; their entries go with it.
 LONG_MODULES: set[str] = set()
 LONG_FUNCTIONS = {
-    "forgetrain/equivalence/tiers/tolerance.py:tolerance",  # equivalence rework
-    "forgetrain/equivalence/report.py:plot_loss_curves",  # equivalence rework
     # its seal (forgetrain/kernels/registry.json) is the sha256 of the file's bytes: any edit makes it STALE until
     # it is validated and sealed again on the GPU (python -m forgetrain.kernels seal)
     "forgetrain/kernels/swiglu.py:make_swiglu",

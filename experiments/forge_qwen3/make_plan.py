@@ -2,7 +2,9 @@
 seed (the Hopper engine's package and its copy of scenarios/_llama, as the forge seeds them) as a ``write`` op, and
 one ``python`` op that removes the fast-path files the exact-only engine drops.
 
-    python experiments/forge_qwen3/make_plan.py SEED_ENGINE_DIR DRAFT_ENGINE_DIR
+    python experiments/forge_qwen3/make_plan.py SEED_ENGINE_DIR DRAFT_ENGINE_DIR [OUT]
+
+OUT: where the plan goes (default: PLAN.json beside this script); experiments/forge_qwen3_moe uses it too.
 """
 
 import filecmp
@@ -21,6 +23,6 @@ gone = sorted(str(f.relative_to(seed)) for f in seed.rglob("*")
               if f.is_file() and "__pycache__" not in f.parts and not (draft / f.relative_to(seed)).exists())
 if gone:
     ops.append({"op": "python", "code": "import os\nfor f in %r:\n    os.remove('engine/' + f)\n" % gone})
-out = Path(__file__).with_name("PLAN.json")
+out = Path(sys.argv[3]) if len(sys.argv) > 3 else Path(__file__).with_name("PLAN.json")
 out.write_text(json.dumps({"rounds": {"1": ops}}, indent=1) + "\n")
 print(f"{out}: {len(ops)} ops; removes {gone}")

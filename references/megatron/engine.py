@@ -13,7 +13,6 @@ losses ``[b, s]``; activations inside are sequence-first ``[s, b, h]``.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Iterator
 
@@ -24,7 +23,7 @@ from forgetrain.config import RunConfig
 from forgetrain.distributed import use_device
 from forgetrain.engine import StepResult, check_tokens, eval_mode, forward_names
 from forgetrain.levers import EngineSpec
-from references.megatron import convert
+from references.megatron import convert, moe
 
 # megatron-core 0.16.1's TransformerConfig defaults cuda_graph_scope to "full", then warns on every construction that
 # "full" is deprecated (it means the same as its replacement, []); this engine sets no CUDA graphs. Exactly that
@@ -55,23 +54,6 @@ def _init_model_parallel(cfg: RunConfig) -> None:
                                  pipeline_model_parallel_size=p.pipeline_parallel_size,
                                  context_parallel_size=p.context_parallel_size,
                                  distributed_timeout_minutes=max(1, p.timeout_s // 60))
-
-
-def _define_missing_te_names() -> None:
-    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` (and the fused MoE kernels) from Transformer
-    Engine inside a ``try`` whose ``except ImportError`` binds none of them, and ``RouterGatingLinearFunction``
-    then tests ``te_general_gemm is not None``: without TE the router raises NameError. Binding the missing names
-    to None is what that test expects without TE, so the router takes its own ``torch.mm`` path (and the fused
-    kernels stay off: ``moe_permute_fusion`` / ``moe_router_fusion`` are False). Nothing else changes."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if moe_utils.HAVE_TE:
-        return
-    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                 "fused_topk_with_score_function", "fused_unpermute"):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
 
 
 def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
@@ -124,7 +106,7 @@ class Engine:
         _init_process_group(cfg, self.device)
         _init_model_parallel(cfg)
         if m.num_experts is not None:
-            _define_missing_te_names()
+            moe.define_missing_te_names()
 
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -198,23 +180,7 @@ class Engine:
             masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
             cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
-            apply_query_key_layer_scaling=False, rotary_interleaved=False, **self._moe_config())
-
-    def _moe_config(self) -> dict:
-        """The TransformerConfig fields of a mixture of experts (``model.num_experts``), else none: Megatron's
-        SequentialMLP experts (no grouped GEMM), the allgather token dispatcher, the top-k softmax router (softmax
-        over the top-k logits, ``moe_router_pre_softmax=False``), dropless (no capacity factor), no shared expert,
-        and the load-balancing loss ``moe_router_load_balancing_type`` weighted by ``moe_aux_loss_coeff``."""
-        m = self.cfg.model
-        if m.num_experts is None:
-            return {}
-        return dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
-                    moe_ffn_hidden_size=m.expert_ffn_hidden_size, moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-                    moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-                    moe_router_score_function=m.moe_router_score_function, moe_router_pre_softmax=False,
-                    moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_expert_capacity_factor=None,
-                    moe_shared_expert_intermediate_size=None, moe_permute_fusion=False, moe_router_fusion=False,
-                    moe_router_dtype=None, moe_z_loss_coeff=None, moe_input_jitter_eps=None)
+            apply_query_key_layer_scaling=False, rotary_interleaved=False, **moe.moe_config(self.cfg.model))
 
     def _build_gpt(self):
         """Seed and build a fresh GPTModel (CPU-initialised, then moved to the device by the caller)."""
@@ -425,7 +391,7 @@ class Engine:
         per_token: list[torch.Tensor] = []
         losses: list[torch.Tensor] = []
         forward_backward = get_forward_backward_func()
-        with self._moe_stats(n_micro) as extra:
+        with moe.moe_stats(self.gpt, self.cfg.model, n_micro) as extra:
             forward_backward(forward_step_func=self._forward_step_func(per_token, losses),
                              data_iterator=iter(micro_batches), model=[self.model], num_microbatches=n_micro,
                              seq_length=m.seq_length, micro_batch_size=t.micro_batch_size, forward_only=False)
@@ -444,42 +410,6 @@ class Engine:
         loss = torch.stack(losses).mean()  # Megatron-LM training_log: mean over micro-batch losses
         return StepResult(loss=float(loss.item()), grad_norm=float(grad_norm), lr=float(lr),
                           per_token_loss=torch.stack(per_token).float().cpu(), extra=extra or None)
-
-    @contextlib.contextmanager
-    def _moe_stats(self, n_micro: int):
-        """For a mixture of experts, the step's routing statistics (``StepResult.extra``), filled in on exit:
-        ``moe_tokens_per_expert`` ``[L][E]`` ints, each layer's ``tokens_per_expert`` as its SequentialMLP receives
-        them (a forward pre-hook), summed over the micro-batches; ``moe_load_balancing_loss`` ``[L]`` floats (with
-        ``moe_aux_loss_coeff > 0``), Megatron's aux-losses tracker (``moe_utils.save_to_aux_losses_tracker``: per
-        layer the sum over micro-batches of aux_loss / coeff, fp32) divided by the micro-batch count in fp32, then
-        cleared. Yields the dict; empty for a dense model."""
-        extra: dict = {}
-        if self.cfg.model.num_experts is None:
-            yield extra
-            return
-        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                             get_moe_layer_wise_logging_tracker)
-
-        counts = [torch.zeros(self.cfg.model.num_experts, dtype=torch.long) for _ in self.gpt.decoder.layers]
-
-        def hook(i):
-            def pre(_module, args):
-                counts[i].add_(args[1].to("cpu", torch.long))
-            return pre
-
-        clear_aux_losses_tracker()
-        handles = [layer.mlp.experts.register_forward_pre_hook(hook(i))
-                   for i, layer in enumerate(self.gpt.decoder.layers)]
-        try:
-            yield extra
-        finally:
-            for h in handles:
-                h.remove()
-        extra["moe_tokens_per_expert"] = [c.tolist() for c in counts]
-        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        if tracked is not None and tracked.get("values") is not None:
-            extra["moe_load_balancing_loss"] = (tracked["values"].detach().float().cpu() / n_micro).tolist()
-        clear_aux_losses_tracker()
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[torch.Tensor]) -> float:

@@ -123,10 +123,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> tuple[torch.Tens
     """``tokens [T, h]``, bool ``routing_map [T, E]`` -> (the tokens grouped by expert ``[sum(map), h]``,
     ``sorted_indices`` int64: expert 0's token ids in token order, then expert 1's, ...) (megatron-core 0.16.1
     ``moe_utils.permute``, unfused, no drop-and-pad)."""
-    num_tokens, num_experts = routing_map.shape
-    map_t = routing_map.bool().T.contiguous()
-    token_indices = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand(num_experts, -1)
-    sorted_indices = token_indices.masked_select(map_t)
+    # nonzero() walks the [E, T] view in row-major order: expert by expert, each expert's tokens in token order
+    sorted_indices = routing_map.bool().t().nonzero(as_tuple=True)[1]
     return tokens.index_select(0, sorted_indices), sorted_indices
 
 
