@@ -226,8 +226,8 @@ def judge(tier_name: str, tier_cfg: dict, refs: list[Path], cand, out: Path | No
     dirs (one for a pair tier, one per seed for a curve or speed tier), ``cand`` the candidate's trace dir (a
     curve or speed tier also takes a ``CurveRuns`` of paired and unpaired runs), ``oracle`` the
     fp32 oracle trace (a pair tier with ``oracle``, reduced precision), ``times`` (reference step seconds,
-    candidate step seconds[, peer name -> step seconds]) for a speed tier, whose curve tier's verdict comes first. Writes the report into
-    ``out`` when given (rank 0). Raises ValueError when a speed tier gets no timings."""
+    candidate step seconds[, peer name -> step seconds]) for a speed tier, whose curve tier's verdict comes first.
+    Writes the report into ``out`` when given (rank 0). Raises ValueError when a speed tier gets no timings."""
     from forgetrain import equivalence as eq
     from forgetrain.equivalence import registry
 

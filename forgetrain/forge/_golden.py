@@ -5,7 +5,8 @@
 (and, below fp32, its fp32 oracle run), for loss_curve and surpass one run per reference seed
 (``forgetrain.verify.verify`` with ``make_golden``). A judge's spec (one with ``drawn`` values,
 :mod:`forgetrain.forge.secret`) gets its data window cut first, into the dir its ``data.path`` names, and the CPU
-peak the reference's runs measured is written to ``golden_root/peak.json`` for the candidate's config. ``--time-steps N --times F`` times the reference and the surpass tier's peers instead
+peak the reference's runs measured is written to ``golden_root/peak.json`` for the candidate's config.
+``--time-steps N --times F`` times the reference and the surpass tier's peers instead
 (the B block of surpass's process-separated A-B-A timing; :func:`forgetrain.bench.time_engine`).
 
 The ladder process starts this before any candidate process, so a golden is never made by a process that also
