@@ -283,3 +283,15 @@ def test_no_command_writes_an_empty_log_file(config_name):
     assert all("filename" not in h for h in handlers.values()), dict(handlers)
     if config_name != "forge":
         assert cfg.hydra.output_subdir is None
+
+
+def test_a_busy_cpu_gets_a_one_thread_hint():
+    """A multi-threaded CPU run on a machine loaded beyond its cores is told that train.threads=1 is faster; a
+    single thread, an idle machine or a GPU run is told nothing."""
+    from forgetrain.run.phases import busy_cpu_hint
+
+    hint = busy_cpu_hint("cpu", 2, load=9.5, cores=2)
+    assert hint.startswith("note:") and "train.threads=1" in hint and "9.5 on 2 cores" in hint
+    assert busy_cpu_hint("cpu", 1, load=9.5, cores=2) is None
+    assert busy_cpu_hint("cpu", 2, load=1.5, cores=2) is None
+    assert busy_cpu_hint("cuda", 8, load=99.0, cores=2) is None

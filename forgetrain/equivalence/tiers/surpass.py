@@ -130,7 +130,8 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
     no_peer = (f"no peer timed: the candidate must also beat {' or '.join(declared)} (conf/tier/surpass.yaml "
                f"peers)") if declared and not set(peers) & set(declared) else None
     no_peer = no_peer or next((f"{n}: {st['reason']}" for n, st in peers.items() if "reason" in st), None)
-    fast = fast and no_peer is None and all(st["faster_beyond_noise"] for st in peers.values())
+    slow = ([] if fast else ["the reference"]) + [n for n, st in peers.items() if not st.get("faster_beyond_noise")]
+    fast = fast and no_peer is None and not slow
     from forgetrain.equivalence import registry
 
     unpaired_only = (bool(cfg.get("require_paired", True)) and loss_curve_verdict.tier in registry.names(
@@ -147,7 +148,7 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
     elif no_peer:
         summary = f"{no_peer}; {speed}"
     elif not fast:
-        summary = f"not faster beyond noise: {speed}"
+        summary = f"not faster beyond noise than {' and '.join(slow)}: {speed}"
     else:
         summary = f"{loss_curve_verdict.tier} holds and {speed}"
     return Verdict("surpass", passed, summary, evidence, None)
