@@ -102,20 +102,13 @@ def topk_softmax_routing(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor,
     ``[T, E]``): softmax in fp32 over the k largest logits of each token, ties resolved by ``torch.topk``
     (megatron-core 0.16.1 ``moe_utils.topk_routing_with_score_function``, softmax, ``use_pre_softmax=False``, no
     groups, no scaling factor, no expert bias)."""
-    num_tokens = logits.shape[0]
     scores, top_indices = torch.topk(logits, k=topk, dim=1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
-    if torch.are_deterministic_algorithms_enabled():
-        routing_probs = torch.zeros_like(logits)
-        rows = torch.arange(num_tokens, device=logits.device).unsqueeze(1)
-        routing_probs.index_put_((rows, top_indices), probs, accumulate=False)
-        routing_map = torch.zeros_like(logits, dtype=logits.dtype)
-        routing_map.index_put_((rows, top_indices), torch.ones_like(probs, dtype=routing_map.dtype),
-                               accumulate=False)
-        routing_map = routing_map.bool()
-    else:
-        routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
-        routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)  # [T, k]
+    # one-hot [T, k, E] of the chosen experts: each [T, E] entry sums one chosen value with zeros, so it is that
+    # value exactly (and its gradient flows back to the one probability that chose it)
+    chosen = torch.nn.functional.one_hot(top_indices, num_classes=logits.shape[1])
+    routing_map = chosen.sum(dim=1).bool()
+    routing_probs = (chosen.to(probs.dtype) * probs.unsqueeze(-1)).sum(dim=1)
     return routing_probs, routing_map
 
 
