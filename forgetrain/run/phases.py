@@ -91,8 +91,6 @@ def setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: st
     with its initial weights (exported when asked), and the batch and peak arithmetic."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if progress and env.rank == 0 and (hint := busy_cpu_hint(cfg.hardware.device, torch.get_num_threads())):
-        print(hint, file=sys.stderr, flush=True)
     set_deterministic(cfg.train.deterministic, cfg.hardware.device)
     device = torch.device(cfg.hardware.device if cfg.hardware.device == "cpu" else f"cuda:{env.local_rank}")
     claim_out_dir(cfg, out, env)
@@ -131,6 +129,9 @@ def setup(cfg: RunConfig, env: DistEnv, out: Path, *, kind: str, engine_name: st
     t, p = cfg.train, cfg.parallel
     ga = grad_accum_steps(cfg)
     peak, peak_label = peak_flops(cfg.hardware)
+    # once the run is set up (bad input has had its one error line by now): the hint for a busy CPU
+    if progress and env.rank == 0 and (hint := busy_cpu_hint(cfg.hardware.device, torch.get_num_threads())):
+        print(hint, file=sys.stderr, flush=True)
     return Run(cfg=cfg, env=env, out=out, kind=kind, name=name, device=device, data=data, tokenizer=tokenizer,
                 train_w=train_w, valid_w=valid_w, engine=engine, ga=ga, dp=p.data_parallel_size,
                 dp_rank=env.rank // p.tensor_parallel_size, tokens_per_step=t.global_batch_size * cfg.model.seq_length,
