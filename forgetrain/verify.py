@@ -269,11 +269,13 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     tier = _tier(tier_name)
     _check_request(vcfg, tier)
     tier_cfg = tier_config(tier_name, vcfg.reference, tier_cfg)
+    peers: list[str] = []
     if tier.kind == registry.SPEED:  # a peer that cannot run here stops the request before any run, in one line
         from forgetrain.bench.sides import check_sides
         from forgetrain.equivalence.tiers.surpass import peers_for
 
-        check_sides(cfg, peers_for(tier_cfg, fp8=str(getattr(cfg.engine, "fp8", "none")) != "none"))
+        peers = peers_for(tier_cfg, fp8=str(getattr(cfg.engine, "fp8", "none")) != "none")
+        check_sides(cfg, peers)
     out.mkdir(parents=True, exist_ok=True)
     if tier.kind == registry.PAIR:
         steps = vcfg.steps
@@ -321,9 +323,6 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
     if tier.kind == registry.SPEED:
         from forgetrain.bench import side_by_side_step_times
 
-        from forgetrain.equivalence.tiers.surpass import peers_for
-
-        peers = peers_for(tier_cfg, fp8=str(getattr(cfg.engine, "fp8", "none")) != "none")  # checked above
         t = side_by_side_step_times(cfg, [vcfg.reference, *peers], vcfg.timing_steps, engine_cls=engine_cls)
         times = (t[vcfg.reference], t["forged"], {n: t[n] for n in peers})
     return judge(tier_name, tier_cfg, refs, cand, out, times=times)
