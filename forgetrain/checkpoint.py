@@ -224,7 +224,7 @@ KEEP = 2  # complete checkpoints a run keeps (the newest); forgetrain.disk count
 
 def prune(ckpt_root: str | os.PathLike, keep: int = KEEP) -> None:
     """Keep the newest ``keep`` complete checkpoints (rank 0 only). The directory holds one run's lineage only:
-    ``train._claim_out_dir`` refuses (or clears, with ``train.overwrite``) another run's checkpoints."""
+    ``run.outdir.claim_out_dir`` refuses (or clears, with ``train.overwrite``) another run's checkpoints."""
     if _rank() != 0:
         return
     dirs = sorted(Path(ckpt_root).glob("step_*"))

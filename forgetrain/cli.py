@@ -39,7 +39,6 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
-_quiet_libraries = quiet_libraries  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 def precheck_overrides(config_name: str, argv: list[str]) -> None:

@@ -149,7 +149,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FORGETRAIN_CACHE", Path.home() / ".cache" / "forgetrain"))
 
 
-_cache_dir = cache_dir  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 _RUN_PEAK: dict[str, float] = {}  # this process's peak per cache key: one run's tables share one denominator

@@ -30,9 +30,6 @@ from forgetrain.run.resume import check_resumable, resume
 __all__ = ["build_engine", "clipped_grads", "config_changes", "config_hash", "engine_settings", "hashed_config",
            "train", "versions"]
 
-# The old private names, for the modules not yet moved to the public ones (forgetrain/verify.py).
-_out_dir, _record_config = out_dir, record_config
-
 log = logging.getLogger("forgetrain")
 
 

@@ -284,7 +284,7 @@ def verify(cfg: RunConfig, vcfg: VerifyConfig, tier_name: str, out: Path, engine
         if vcfg.golden and not (vcfg.regenerate or vcfg.make_golden):
             if not (gdir / "trace" / "trace.jsonl").exists():
                 raise ConfigError(f"no golden at {gdir}; run with verify.regenerate=true first")
-            _check_golden(gdir)
+            check_golden(gdir)
             ref = gdir
             if tier.oracle and (gdir / "oracle_fp32" / "trace" / "trace.jsonl").exists():
                 oracle = gdir / "oracle_fp32"
@@ -465,7 +465,7 @@ def _check_writable_dir(d: Path, what: str) -> None:
         raise ConfigError(f"{what}={d} cannot be written ({type(e).__name__}: {e})") from e
 
 
-def _check_golden(gdir: Path) -> None:
+def check_golden(gdir: Path) -> None:
     """A stored golden must be complete and readable. Raises ConfigError naming what is wrong."""
     import json
 
@@ -505,7 +505,7 @@ def verify_task(cfg) -> None:
 
     from forgetrain import equivalence as eq
     from forgetrain.equivalence import registry
-    from forgetrain.train import _out_dir
+    from forgetrain.run.outdir import out_dir as default_out_dir
 
     obj = OmegaConf.to_container(cfg, resolve=True)
     vd, td = obj.pop("verify"), obj.pop("tier")
@@ -516,12 +516,12 @@ def verify_task(cfg) -> None:
     from forgetrain.distributed import init_distributed
 
     env = init_distributed(rc.parallel)  # under torchrun: every rank runs both sides; rank 0 reports
-    out = Path(env.broadcast_object(str(Path(vcfg.out_dir) if vcfg.out_dir else _out_dir(rc))))
+    out = Path(env.broadcast_object(str(Path(vcfg.out_dir) if vcfg.out_dir else default_out_dir(rc))))
     verdicts = verify(rc, vcfg, td["name"], out, tier_cfg=td)
     if env.rank == 0:
-        from forgetrain.train import _record_config
+        from forgetrain.run.outdir import record_config
 
-        _record_config(out, cfg, resume=False)  # beside the report: the request that produced it
+        record_config(out, cfg, resume=False)  # beside the report: the request that produced it
     if vcfg.make_golden or vcfg.pin_init:
         if env.rank == 0:
             pair = registry.find(td["name"]).kind == registry.PAIR

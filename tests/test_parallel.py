@@ -72,9 +72,9 @@ def layout_tolerance() -> dict:
     from omegaconf import OmegaConf
 
     entry = OmegaConf.to_container(OmegaConf.load(ROOT / "scenarios" / "llama_tiny_cpu" / "tolerance_layouts.yaml"))
-    from forgetrain.equivalence.verdict import _merge
+    from forgetrain.equivalence.verdict import merge_settings
 
-    return _merge(eq.load_tier("tolerance"), entry["tolerance"])
+    return merge_settings(eq.load_tier("tolerance"), entry["tolerance"])
 
 
 @pytest.fixture(scope="module")

@@ -266,7 +266,7 @@ def test_bad_forge_override_is_one_line(override, needle, tmp_path):
 
 def test_corrupt_golden_is_one_line(tmp_path, monkeypatch):
     from forgetrain.errors import ConfigError
-    from forgetrain.verify import _check_golden
+    from forgetrain.verify import check_golden
 
     g = tmp_path / "golden"
     (g / "trace").mkdir(parents=True)
@@ -274,11 +274,11 @@ def test_corrupt_golden_is_one_line(tmp_path, monkeypatch):
     (g / "trace" / "trace.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')  # truncated mid-record
     (g / "init.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match="incomplete or corrupt"):
-        _check_golden(g)
+        check_golden(g)
     (g / "trace" / "trace.jsonl").write_text('{"step": 1}\n')
     (g / "init.safetensors").unlink()
     with pytest.raises(ConfigError, match="init.safetensors"):
-        _check_golden(g)
+        check_golden(g)
 
 
 def test_ctrl_c_flushes_the_trace_and_names_the_checkpoint(tmp_path):

@@ -30,35 +30,6 @@ LONG_FUNCTIONS = {
     # it is validated and sealed again on the GPU (python -m forgetrain.kernels seal)
     "forgetrain/kernels/swiglu.py:make_swiglu",
 }
-# (importing file, module, private name)
-PRIVATE_IMPORTS = {
-    # forgetrain/verify.py (verify rework): the old names stay importable from forgetrain.train
-    ("forgetrain/verify.py", "forgetrain.train", "_out_dir"),
-    ("forgetrain/verify.py", "forgetrain.train", "_record_config"),
-    # forgetrain/equivalence/ (equivalence rework)
-    *(("forgetrain/equivalence/tiers/bitwise.py", "forgetrain.equivalence.verdict", n)
-      for n in ("_by_step", "_exact_equal", "_module_order", "_param_order", "_tier_cfg", "_trace_length")),
-    *(("forgetrain/equivalence/tiers/tolerance.py", "forgetrain.equivalence.verdict", n)
-      for n in ("_by_step", "_finite", "_fmt", "_param_order", "_tier_cfg", "_trace_length")),
-    ("forgetrain/equivalence/tiers/surpass.py", "forgetrain.equivalence.verdict", "_tier_cfg"),
-    *(("forgetrain/equivalence/tiers/loss_curve.py", "forgetrain.equivalence.verdict", n)
-      for n in ("_finite", "_fmt", "_tier_cfg")),
-    # forgetrain/forge/ (forge rework): the public names exist (cli.quiet_libraries, metrics.cache_dir,
-    # kernels.bench.time_kernel, kernels.seal.device_name_of); the old ones stay as aliases until it moves
-    ("forgetrain/forge/_golden.py", "forgetrain.cli", "_quiet_libraries"),
-    ("forgetrain/forge/_candidate.py", "forgetrain.cli", "_quiet_libraries"),
-    ("forgetrain/forge/_ladder.py", "forgetrain.cli", "_quiet_libraries"),
-    ("forgetrain/forge/_ladder.py", "forgetrain.metrics", "_cache_dir"),
-    ("forgetrain/forge/_kernel_gate.py", "forgetrain.kernels.bench", "_time"),
-    ("forgetrain/forge/_kernel_gate.py", "forgetrain.kernels.seal", "_device_name"),
-    ("forgetrain/forge/__init__.py", "forgetrain.forge.kernel", "_check"),
-    ("forgetrain/forge/__init__.py", "forgetrain.forge.loop", "_check"),
-    ("forgetrain/forge/_ladder.py", "forgetrain.forge._golden", "_is_pair"),
-    # names of forgetrain/verify.py, forgetrain/equivalence/ and forgetrain/forge/ that tests and a reference use
-    ("references/deepspeed/crosscheck.py", "forgetrain.equivalence.report", "_jsonable"),
-    ("tests/test_robustness.py", "forgetrain.verify", "_check_golden"),
-    ("tests/test_parallel.py", "forgetrain.equivalence.verdict", "_merge"),
-}
 # Cycles through imports made inside functions (each a set of modules). None at import time is allowed.
 LAZY_CYCLES = {
     # the tokenizer protocol picks a backend by the file's first bytes and imports only that backend's module
@@ -148,11 +119,8 @@ def test_no_private_name_is_imported_across_modules():
                     if _module_name(p).startswith(src + ".") or _module_name(p) == src or _rel(p).startswith("tests/"):
                         continue
                 found.add((_rel(p), src, name))
-    new = found - PRIVATE_IMPORTS
-    assert not new, ("private names imported from another module (make them public, or move a shared test helper "
-                     f"to tests/helpers.py): {sorted(new)}")
-    stale = PRIVATE_IMPORTS - found
-    assert not stale, f"no longer imported: cut them from PRIVATE_IMPORTS: {sorted(stale)}"
+    assert not found, ("private names imported from another module (make them public, or move a shared test helper "
+                       f"to tests/helpers.py): {sorted(found)}")
 
 
 def _type_checking(node: ast.AST) -> bool:

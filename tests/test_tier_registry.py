@@ -116,7 +116,7 @@ def consistency(ref_dir, cand_dir, cfg=None) -> eq.Verdict:
     """The new tier's runner: |mean cand loss - mean ref loss| / |mean ref loss| <= max_rel (from its yaml)."""
     from forgetrain.trace import read_trace
 
-    cfg = verdict._tier_cfg("consistency", cfg)
+    cfg = verdict.tier_settings("consistency", cfg)
     ref = [r["loss"] for r in read_trace(ref_dir)[1]]
     cand = [r["loss"] for r in read_trace(cand_dir)[1]]
     if len(ref) != len(cand) or not ref:

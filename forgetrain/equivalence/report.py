@@ -22,7 +22,7 @@ from forgetrain.trace import atomic_write_bytes, atomic_write_json, read_trace
 REPORT_SCHEMA = 1
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """Strict-JSON copy: non-finite floats -> strings, tuples -> lists, paths and other objects -> str."""
     if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
         return x
@@ -38,11 +38,11 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, np.bool_):
         return bool(x)
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.ndarray):
-        return [_jsonable(v) for v in x.tolist()]
+        return [jsonable(v) for v in x.tolist()]
     return str(x)
 
 
@@ -238,7 +238,7 @@ def write_report(verdicts: Sequence[Verdict] | LadderResult, out_dir: str | Path
            "strictest_passed": strictest, "surpassed": surpassed, "all_passed": all(v.passed for v in vs),
            "verdicts": [v.to_dict() for v in vs]}
     vpath = out / "verdict.json"
-    atomic_write_json(vpath, _jsonable(doc))
+    atomic_write_json(vpath, jsonable(doc))
     ppath = plot_loss_curves(out / "loss_curves.png", ref_dirs, cand_dir, vs)
     return {"verdict": vpath, "plot": ppath}
 

@@ -71,10 +71,10 @@ def load_tier(name: str) -> dict:
     return cfg
 
 
-def _merge(base: dict, over: Mapping) -> dict:
+def merge_settings(base: dict, over: Mapping) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, Mapping) else v
+        out[k] = merge_settings(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, Mapping) else v
     return out
 
 
@@ -91,12 +91,12 @@ def tier_config(tier_name: str, reference: str, tier_cfg: dict | None = None) ->
         return cfg
     from omegaconf import OmegaConf
 
-    merged = _merge(cfg, OmegaConf.to_container(OmegaConf.load(path), resolve=True).get(tier_name) or {})
+    merged = merge_settings(cfg, OmegaConf.to_container(OmegaConf.load(path), resolve=True).get(tier_name) or {})
     merged["reference_override"] = str(path.relative_to(REPO_ROOT))
     return merged
 
 
-def _tier_cfg(name: str, cfg: Any) -> dict:
+def tier_settings(name: str, cfg: Any) -> dict:
     """The tier's yaml, overridden key by key (recursively) by ``cfg`` (a dict or an OmegaConf node, or None)."""
     base = load_tier(name)
     if cfg is None:
@@ -112,7 +112,7 @@ def _tier_cfg(name: str, cfg: Any) -> dict:
         raise ConfigError(f"tier config for {name} must be a mapping, got {type(cfg).__name__}")
     if cfg.get("name", name) != name:
         raise ConfigError(f"tier config is for {cfg.get('name')!r}, not {name!r}")
-    return _merge(base, cfg)
+    return merge_settings(base, cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,18 +137,18 @@ def _ordered(names: Iterable[str], canonical: Callable[[int], Iterable[str]]) ->
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-def _param_order(names: Iterable[str]) -> list[str]:
+def param_order(names: Iterable[str]) -> list[str]:
     names = list(names)
     experts = [int(m.group(1)) for n in names if (m := _EXPERT_RE.search(n))]  # HF Qwen3-MoE expert names
     num_experts = max(experts) + 1 if experts else None
     return _ordered(names, lambda n: hf_param_names(n, qk_layernorm=True, num_experts=num_experts))
 
 
-def _module_order(names: Iterable[str]) -> list[str]:
+def module_order(names: Iterable[str]) -> list[str]:
     return _ordered(names, lambda n: list(forward_names(n)))
 
 
-def _by_step(records: list[dict]) -> tuple[dict[int, dict], list[int]]:
+def by_step(records: list[dict]) -> tuple[dict[int, dict], list[int]]:
     """Records keyed by step, and the steps that occur more than once."""
     out: dict[int, dict] = {}
     dup = []
@@ -164,20 +164,20 @@ def _isnum(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _finite(x: Any) -> bool:
+def is_finite(x: Any) -> bool:
     return _isnum(x) and math.isfinite(x)
 
 
-def _exact_equal(a: Any, b: Any) -> bool:
+def exact_equal(a: Any, b: Any) -> bool:
     """Python ``==`` on two numbers; NaN (never equal to itself) and missing values never pass."""
     return _isnum(a) and _isnum(b) and a == b
 
 
-def _trace_length(records: list[dict]) -> int:
+def trace_length(records: list[dict]) -> int:
     return max((int(r["step"]) for r in records), default=0)
 
 
-def _fmt(x: Any) -> str:
+def fmt_num(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.6g}" if abs(x) >= 1e-3 or x == 0 or not math.isfinite(x) else f"{x:.3e}"
     return str(x)
@@ -197,7 +197,7 @@ def describe_divergence(d: dict | None) -> str:
     if isinstance(ref, dict) and "mean" in ref:
         ref = ref["mean"]
     if _isnum(ref) or _isnum(cand) or ref is None or cand is None:
-        r, c = _fmt(ref), _fmt(cand)
+        r, c = fmt_num(ref), fmt_num(cand)
         if r == c and ref != cand:  # e.g. 1 ulp apart: show every digit
             r, c = repr(ref), repr(cand)
         out += f" (ref {r}, cand {c})"

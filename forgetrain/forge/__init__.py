@@ -92,7 +92,7 @@ def check_request(obj: dict) -> None:
     """The forge's own request, checked before Hydra writes anything (``forgetrain.cli``): a ``kernel=NAME`` target
     must name a kernel of :mod:`forgetrain.kernels`; the gate's secret ranges (``forge.verify_steps``,
     ``forge.verify_steps_max``, ``forge.gate_window``) must be sound; and the ``forge.*`` / ``agent.*`` options
-    must pass the loop's own checks (the engine loop's or the kernel loop's ``_check``), so a bad option is one
+    must pass the loop's own checks (the engine loop's or the kernel loop's ``check_request``), so a bad option is one
     line and leaves no Hydra run directory behind. Raises ForgeTrainError."""
     from forgetrain.config import to_run_config
 
@@ -108,13 +108,14 @@ def check_request(obj: dict) -> None:
         module_of(str(kernel))
     agent, opts = AgentConfig(**obj["agent"]), ForgeOptions(**obj["forge"])
     if kernel:
-        from forgetrain.forge.kernel import _check
+        from forgetrain.forge.kernel import check_request as check_kernel_request
 
-        _check(str(kernel), opts, agent)
+        check_kernel_request(str(kernel), opts, agent)
     else:
-        from forgetrain.forge.loop import _check
+        from forgetrain.forge.loop import check_request as check_engine_request
 
-        _check(to_run_config({k: v for k, v in obj.items() if k not in ("agent", "forge", "kernel")}), opts, agent)
+        run_obj = {k: v for k, v in obj.items() if k not in ("agent", "forge", "kernel")}
+        check_engine_request(to_run_config(run_obj), opts, agent)
 
 
 def check_overrides(overrides: list[str]) -> None:

@@ -90,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         import forgetrain.train  # noqa: F401
         import forgetrain.verify as fv
         import safetensors.torch  # noqa: F401 - what the trace writer uses, in the snapshot too
-        from forgetrain.cli import _quiet_libraries
+        from forgetrain.cli import quiet_libraries
         from forgetrain.config import to_run_config
         from forgetrain.forge import runtime_guard
         from forgetrain.forge.workspace import load_engine_class
         from forgetrain.trace import atomic_write_json
 
-        _quiet_libraries()
+        quiet_libraries()
         out = Path(a.out).resolve()
         init = Path(a.init).resolve() if a.init else Path(a.init_dir).resolve() if a.init_dir else None
         out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import sys
 import traceback
 from pathlib import Path
 
-def _is_pair(tier: str) -> bool:
+def is_pair(tier: str) -> bool:
     """Whether ``tier`` is a pair tier (one short reference run, its own golden) in the tier registry."""
     from forgetrain.equivalence import registry
 
@@ -45,7 +45,7 @@ def golden_tiers(spec: dict) -> list[str]:
     curve or speed tier it tries (one golden serves a curve tier and the speed tier resting on it)."""
     out = []
     for t in spec["tiers"]:
-        g = t if _is_pair(t) else curve_tier_of(t)
+        g = t if is_pair(t) else curve_tier_of(t)
         if g not in out:
             out.append(g)
     return out
@@ -56,7 +56,7 @@ def golden_location(rc, vcfg, tier: str) -> Path:
     ``golden_root`` by the caller)."""
     import forgetrain.verify as fv
 
-    return fv.golden_dir(rc, tier) if _is_pair(tier) else fv.curve_golden_dir(rc, vcfg)
+    return fv.golden_dir(rc, tier) if is_pair(tier) else fv.curve_golden_dir(rc, vcfg)
 
 
 def missing_goldens(rc, vcfg, spec: dict) -> list[str]:
@@ -64,7 +64,7 @@ def missing_goldens(rc, vcfg, spec: dict) -> list[str]:
     out = []
     for tier in golden_tiers(spec):
         g = golden_location(rc, vcfg, tier)
-        if _is_pair(tier):
+        if is_pair(tier):
             from forgetrain.equivalence import registry
 
             need = [g / "trace" / "trace.jsonl", g / "init.safetensors"]
@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         import forgetrain.verify as fv
-        from forgetrain.cli import _quiet_libraries
+        from forgetrain.cli import quiet_libraries
         from forgetrain.config import to_run_config
         from forgetrain.trace import atomic_write_json
 
-        _quiet_libraries()
+        quiet_libraries()
         spec = json.loads(Path(a.spec).read_text())
         rc, vcfg = to_run_config(spec["run_config"]), fv.VerifyConfig(**spec["verify"])
         fv.GOLDEN_ROOT = Path(spec["golden_root"])  # this process only: the forge run's goldens

@@ -12,7 +12,7 @@ golden is made in a process that never loaded the candidate):
    sealed source) run forward + backward, interleaved in blocks; each block's median is one sample.
    :func:`forgetrain.equivalence.tiers.surpass.speed_stats` (the surpass tier's statistics) must find the
    candidate faster beyond the noise at every shape. Timers: ``cuda`` (CUDA events, :func:`forgetrain.kernels.
-   bench._time`), ``wall`` (perf_counter) and ``fake`` (tests only: each source's ``# forge-fake-ms: X`` line,
+   bench.time_kernel`), ``wall`` (perf_counter) and ``fake`` (tests only: each source's ``# forge-fake-ms: X`` line,
    default 1.0, with 1 % seeded noise; nothing runs).
 3. ``e2e``: the scenario engine that honours the switch trains ``steps`` steps from the reference's initial
    weights with ``kernels.<op>=<forged value>``, the candidate file standing in for the repository's kernel
@@ -102,7 +102,7 @@ def _measured_samples(spec: dict, trusted, sw, ws: Path, shape: dict) -> tuple[l
 
     import torch
 
-    from forgetrain.kernels.bench import _time
+    from forgetrain.kernels.bench import time_kernel
 
     device = torch.device(spec["device"])
     cand = _candidate_spec(trusted, sw, ws / spec["candidate"], "_forge_kernel_candidate")
@@ -133,8 +133,8 @@ def _measured_samples(spec: dict, trusted, sw, ws: Path, shape: dict) -> tuple[l
     c_ms, r_ms = [], []
     for i in range(int(spec["repeats"])):  # interleaved blocks: drift hits both sides alike
         warm = 3 if i == 0 else 0
-        r_ms.append(statistics.median(_time(r_step, 1, warm, 5, device)))
-        c_ms.append(statistics.median(_time(c_step, 1, warm, 5, device)))
+        r_ms.append(statistics.median(time_kernel(r_step, 1, warm, 5, device)))
+        c_ms.append(statistics.median(time_kernel(c_step, 1, warm, 5, device)))
     return r_ms, c_ms
 
 
@@ -253,10 +253,10 @@ def orchestrate(args) -> dict:
     else:
         result["passed"] = True
     result["wall_s"] = round(time.monotonic() - t0, 3)
-    from forgetrain.kernels.seal import _device_name, versions
+    from forgetrain.kernels.seal import device_name_of, versions
 
     os.environ.update({k: v for k, v in env.items() if k == "TRITON_INTERPRET"})
-    result["device_name"] = _device_name(spec["device"])
+    result["device_name"] = device_name_of(spec["device"])
     result["versions"] = versions()
     return result
 

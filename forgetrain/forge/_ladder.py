@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable
 
 from forgetrain.equivalence.registry import TIER_ORDER  # the one tier order (a live view of the registry)
-from forgetrain.forge._golden import _is_pair, curve_tier_of, golden_location
+from forgetrain.forge._golden import is_pair, curve_tier_of, golden_location
 
 
 def tiers_to_try(ladder_from: str, target: str) -> list[str]:
@@ -274,11 +274,11 @@ def candidate_of(spec: dict, workspace: Path) -> dict:
 def shared_caches(spec: dict) -> list[str]:
     """The project's caches a candidate may not touch: the prepared corpora and the CPU peak's dir."""
     from forgetrain.data.prepare import default_cache_dir
-    from forgetrain.metrics import _cache_dir
+    from forgetrain.metrics import cache_dir
 
     data = spec.get("source_data") or spec["run_config"]["data"]
     return sorted({os.path.abspath(os.path.expanduser(data.get("cache_dir") or default_cache_dir())),
-                   os.path.abspath(str(_cache_dir()))})
+                   os.path.abspath(str(cache_dir()))})
 
 
 def _replayed(tier: str, cand: Path, refs: list[Path], steps: int) -> dict | None:
@@ -416,12 +416,12 @@ def _run_tiers(spec: dict, workspace: Path, out: Path, res: dict) -> None:
 
     target = jspec["target_tier"]
     # a speed target's own run judges its curve tier too: the ladder leaves both to it
-    tiers = [t for t in jspec["tiers"] if _is_pair(t)] if _is_speed(target) else list(jspec["tiers"])
+    tiers = [t for t in jspec["tiers"] if is_pair(t)] if _is_speed(target) else list(jspec["tiers"])
     last_eq, golden_used = None, None
     for tier in tiers:
         res["tiers_tried"].append(tier)
         gdir = golden_location(rc, vcfg, tier)
-        short = _is_pair(tier)
+        short = is_pair(tier)
         init = out / tier / "init" / "init.safetensors" if short else None
         init_dir = None if short else out / tier / "init"
         res["rejected"] = sides.candidate(tier, out / tier / "candidate", init,
@@ -513,7 +513,7 @@ def _table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    from forgetrain.cli import _quiet_libraries
+    from forgetrain.cli import quiet_libraries
     from forgetrain.forge.procs import become_subreaper, die_with_parent, kill_active
     from forgetrain.trace import atomic_write_json
 
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.parent_pid is not None:
         die_with_parent(a.parent_pid)  # SIGTERM -> kill_active: a killed forge leaves no ladder or side running
-    _quiet_libraries()
+    quiet_libraries()
     spec = json.loads(Path(a.spec).read_text())
     out = Path(a.out).resolve()
     res = run_ladder(spec, Path(a.workspace).resolve(), out)

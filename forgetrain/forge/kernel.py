@@ -139,7 +139,7 @@ def e2e_config(rc: RunConfig, kernel: str, opts: ForgeOptions) -> RunConfig:
     return c
 
 
-def _check(kernel: str, opts: ForgeOptions, agent: AgentConfig) -> None:
+def check_request(kernel: str, opts: ForgeOptions, agent: AgentConfig) -> None:
     _switch(kernel)
     if opts.mode not in MODES:
         raise ConfigError(f"forge.mode must be one of {', '.join(MODES)}, got '{opts.mode}'")
@@ -457,5 +457,5 @@ def forge_kernel(rc: RunConfig, kernel: str, opts: ForgeOptions, agent: AgentCon
     """Run the kernel forge for ``kernel`` on ``rc.hardware.device`` and return the final state (``status``:
     sealed | exhausted; ``seal``: the store entry when sealed). ``gate_fn(spec, workspace, out, result) -> dict``
     replaces the gate process. Raises ConfigError on bad options."""
-    _check(kernel, opts, agent)
+    check_request(kernel, opts, agent)
     return KernelRun(rc, kernel, opts, agent, gate_fn).run()

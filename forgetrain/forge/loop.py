@@ -143,7 +143,7 @@ def build_spec(rc: RunConfig, opts: ForgeOptions, hide: list[str] | None = None)
             "package": install_package(rc, opts), "hide": [str(h) for h in hide or []]}
 
 
-def _check(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig) -> None:
+def check_request(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig) -> None:
     if opts.mode not in MODES:
         raise ConfigError(f"forge.mode must be one of {', '.join(MODES)}, got '{opts.mode}'")
     try:
@@ -592,7 +592,7 @@ def forge(rc: RunConfig, opts: ForgeOptions, agent: AgentConfig, *, ladder_fn: L
     root and the ``PYTHONPATH``). Raises ConfigError on bad options, an unreadable state to resume, or a run dir
     another process holds.
     """
-    _check(rc, opts, agent)
+    check_request(rc, opts, agent)
     # the scenario's engine is the seed the agent adapts: a model feature it lacks is its task (the brief names
     # it), not a refusal; the candidate's runs check the features against the workspace engine's own spec
     validate(dataclasses.replace(rc, train=dataclasses.replace(

@@ -75,7 +75,6 @@ def time_kernel(step, n_sets: int, warmup: int, repeats: int, device: torch.devi
     return [s.elapsed_time(e) for s, e in pairs]
 
 
-_time = time_kernel  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 def _summ(ms: list[float], work: dict, bound: str) -> dict:

@@ -85,7 +85,6 @@ def device_name_of(device: str) -> str:
         ("Triton interpreter)" if interpreting() else "no interpreter)")
 
 
-_device_name = device_name_of  # the old name, for forgetrain/forge/ until it moves to the public one
 
 
 def _timings_summary(bench_result: dict | None) -> dict | None:

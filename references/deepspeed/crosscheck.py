@@ -123,9 +123,9 @@ def crosscheck(cfg, ref: str, cand: str, out: Path, steps: int, curve_steps: int
                           for v in verdicts]
     strictest = next((v.tier for v in verdicts if v.passed), None)
     result["strictest_shared_tier"] = strictest
-    from forgetrain.equivalence.report import _jsonable
+    from forgetrain.equivalence.report import jsonable
 
-    (out / "crosscheck.json").write_text(json.dumps(_jsonable(result), indent=1))
+    (out / "crosscheck.json").write_text(json.dumps(jsonable(result), indent=1))
     return result
 
 

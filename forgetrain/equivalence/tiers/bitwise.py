@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from forgetrain.equivalence.verdict import (Verdict, _by_step, _exact_equal, _module_order, _param_order,
-                                            _tier_cfg, _trace_length, describe_divergence)
+from forgetrain.equivalence.verdict import (Verdict, by_step, exact_equal, module_order, param_order,
+                                            tier_settings, trace_length, describe_divergence)
 from forgetrain.trace import read_final_params, read_modules, read_trace
 
 # Order of checks within one step: the order the step produces the quantities in, so the first divergence is where
@@ -60,11 +60,11 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
 
     Raises FileNotFoundError when either directory has no ``trace.jsonl``; ConfigError on a bad cfg.
     """
-    cfg = _tier_cfg("bitwise", cfg)
+    cfg = tier_settings("bitwise", cfg)
     ref_meta, ref_recs = read_trace(ref_dir)
     cand_meta, cand_recs = read_trace(cand_dir)
-    ref, ref_dup = _by_step(ref_recs)
-    cand, cand_dup = _by_step(cand_recs)
+    ref, ref_dup = by_step(ref_recs)
+    cand, cand_dup = by_step(cand_recs)
     problems: list[str] = []
     mismatches: list[tuple[tuple, dict]] = []  # (sort key, divergence dict)
 
@@ -79,7 +79,7 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
     steps = sorted(set(ref) | set(cand))
     digests_ev = _compare_steps(ref, cand, steps, cfg, add, problems)
     modules_ev = _compare_modules(read_modules(ref_dir), read_modules(cand_dir), cfg, add, problems)
-    final_ev = _compare_final(read_final_params(ref_dir), read_final_params(cand_dir), _trace_length(ref_recs),
+    final_ev = _compare_final(read_final_params(ref_dir), read_final_params(cand_dir), trace_length(ref_recs),
                               cfg, add, problems)
 
     mismatches.sort(key=lambda m: m[0])
@@ -128,7 +128,7 @@ def _compare_steps(ref: dict, cand: dict, steps: list[int], cfg: dict, add, prob
         if "tokens" in r and "tokens" in c and r["tokens"] != c["tokens"]:
             add(s, "tokens", r["tokens"], c["tokens"])
         for key in ("loss", "grad_norm", "lr"):
-            if not _exact_equal(r.get(key), c.get(key)):
+            if not exact_equal(r.get(key), c.get(key)):
                 add(s, key, r.get(key), c.get(key))
         rd, cd = r.get("digests") or {}, c.get("digests") or {}
         if cfg["require_digests"]:
@@ -147,7 +147,7 @@ def _compare_steps(ref: dict, cand: dict, steps: list[int], cfg: dict, add, prob
             if rg and cg:
                 compared_here = True
                 clipped_steps += dkey == "clipped_grads"
-                names = _param_order(set(rg) | set(cg))
+                names = param_order(set(rg) | set(cg))
                 for j, name in enumerate(names):
                     if rg.get(name) != cg.get(name):
                         add(s, kind, rg.get(name), cg.get(name), order=len(names) - 1 - j if backward else j,
@@ -179,7 +179,7 @@ def _compare_modules(rm: dict | None, cm: dict | None, cfg: dict, add, problems:
         if cfg["require_modules"]:
             problems.append(f"modules required (require_modules) but {ev['reason']}")
         return ev
-    names = _module_order(set(rm) | set(cm))
+    names = module_order(set(rm) | set(cm))
     fwd_bad, grad_bad = [], []
     for j, name in enumerate(names):
         re_, ce = rm.get(name) or {}, cm.get(name) or {}
@@ -212,7 +212,7 @@ def _compare_final(rp: dict | None, cp: dict | None, last: int, cfg: dict, add, 
         if cfg["require_final_params"]:
             problems.append(f"final params required (require_final_params) but {ev['reason']}")
         return ev
-    names = _param_order(set(rp) | set(cp))
+    names = param_order(set(rp) | set(cp))
     bad, worst = [], 0.0
     for j, name in enumerate(names):
         a, b = rp.get(name), cp.get(name)

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from forgetrain.equivalence.verdict import Verdict, _finite, _fmt, _tier_cfg
+from forgetrain.equivalence.verdict import Verdict, is_finite, fmt_num, tier_settings
 from forgetrain.trace import read_trace
 
 
@@ -121,7 +121,7 @@ def _cand_curve(d, steps: list[int], R: np.ndarray, what: str) -> np.ndarray:
                    f"references have {len(steps)})",
                    {"step": missing[0], "kind": "loss", "ref": float(R[:, steps.index(missing[0])].mean()),
                     "cand": None})
-    bad = [s for s in steps if not _finite(cand[s])]
+    bad = [s for s in steps if not is_finite(cand[s])]
     if bad:
         j = steps.index(bad[0])
         raise _Bad(f"{what} loss is non-finite at step {bad[0]}",
@@ -141,7 +141,7 @@ def _load(ref_dirs: list, runs: CurveRuns, cfg: dict, evidence: dict):
     if not steps:
         raise _Bad("the reference runs share no steps")
     for i, r in enumerate(refs):
-        bad = [s for s in steps if not _finite(r[s])]
+        bad = [s for s in steps if not is_finite(r[s])]
         if bad:
             raise _Bad(f"reference seed {i} ({ref_dirs[i]}) has a non-finite loss at step {bad[0]}; "
                        "the band cannot be calibrated")
@@ -283,7 +283,7 @@ def loss_curve(ref_dirs: Sequence[str | Path], cand: "str | Path | CurveRuns", c
     Raises FileNotFoundError when a directory has no ``trace.jsonl``; TypeError when ``ref_dirs`` is a single
     path rather than a list, or ``cand`` gives no run at all.
     """
-    cfg = _tier_cfg("loss_curve", cfg)
+    cfg = tier_settings("loss_curve", cfg)
     if isinstance(ref_dirs, (str, Path)):
         raise TypeError("loss_curve needs a list of reference trace directories (one per seed), not one path")
     runs = cand if isinstance(cand, CurveRuns) else CurveRuns(unpaired=(cand,))
@@ -382,7 +382,7 @@ def _unpaired_summary(ue: dict, R: np.ndarray, U: np.ndarray, cfg: dict, evidenc
         first = {"step": w["steps"][0], "kind": "loss", "window": w["window"], "steps": w["steps"],
                  "ref": {"mean": w["ref_mean"], "lo": w["lo"], "hi": w["hi"]}, "cand": w["cand"], "z": w["z"]}
         s = (f"{ue['n_outside']}/{W} windows out of band ({runs}); first: steps {w['steps'][0]}-{w['steps'][1]}, "
-             f"cand {_fmt(w['cand'])} vs band [{_fmt(w['lo'])}, {_fmt(w['hi'])}]")
+             f"cand {fmt_num(w['cand'])} vs band [{fmt_num(w['lo'])}, {fmt_num(w['hi'])}]")
         if not drift["passed"]:
             s += f"; late diff {drift['mean_diff']:+.4g} (limit {drift['limit']:.4g})"
     elif not drift["passed"]:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from forgetrain.equivalence.registry import EQUIVALENCE_TIERS
-from forgetrain.equivalence.verdict import Verdict, _tier_cfg
+from forgetrain.equivalence.verdict import Verdict, tier_settings
 
 
 def peers_for(cfg: Mapping | None, fp8: bool) -> list[str]:
@@ -22,7 +22,7 @@ def peers_for(cfg: Mapping | None, fp8: bool) -> list[str]:
     ``peers`` entry that is not a mapping of lists of reference names."""
     from forgetrain.errors import ConfigError
 
-    peers = _tier_cfg("surpass", cfg).get("peers") or {}
+    peers = tier_settings("surpass", cfg).get("peers") or {}
     if not isinstance(peers, Mapping) or not all(isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v)
                                                  for v in peers.values()):
         raise ConfigError("conf/tier/surpass.yaml peers: a mapping {default: [names], fp8: [names]}")
@@ -47,7 +47,7 @@ def speed_stats(timings_ref: Sequence[float], timings_cand: Sequence[float], cfg
     ``required_speedup`` = 1 + min_speedup_margin + noise, ``faster_beyond_noise`` (speedup > required), the
     bootstrap interval and relative IQRs. Raises ValueError for non-finite or non-positive timings.
     """
-    cfg = _tier_cfg("surpass", cfg)
+    cfg = tier_settings("surpass", cfg)
     discard = int(cfg["discard_first"])
     a = _timings(timings_ref, "timings_ref", discard)
     b = _timings(timings_cand, "timings_cand", discard)
@@ -113,7 +113,7 @@ def surpass(loss_curve_verdict: Verdict, timings_ref: Sequence[float], timings_c
     Raises ValueError when the verdict is not an equivalence verdict (its tier is not in
     :data:`forgetrain.equivalence.registry.EQUIVALENCE_TIERS`), or timings are not finite positive numbers.
     """
-    cfg = _tier_cfg("surpass", cfg)
+    cfg = tier_settings("surpass", cfg)
     if not isinstance(loss_curve_verdict, Verdict) or loss_curve_verdict.tier not in EQUIVALENCE_TIERS:
         raise ValueError(f"surpass needs an equivalence Verdict (one of {', '.join(reversed(EQUIVALENCE_TIERS))})")
     evidence: dict[str, Any] = {"equivalence_tier": loss_curve_verdict.tier,

@@ -10,14 +10,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from forgetrain.equivalence.verdict import (Verdict, _by_step, _finite, _fmt, _param_order, _tier_cfg,
-                                            _trace_length, describe_divergence)
+from forgetrain.equivalence.verdict import (Verdict, by_step, is_finite, fmt_num, param_order, tier_settings,
+                                            trace_length, describe_divergence)
 from forgetrain.errors import ConfigError
 from forgetrain.trace import read_final_params, read_trace
 
 def _rel_err(r: Any, c: Any, floor: float) -> float:
     """|c - r| / max(|r|, floor); inf when either value is missing or non-finite (so it always fails)."""
-    if not (_finite(r) and _finite(c)):
+    if not (is_finite(r) and is_finite(c)):
         return math.inf
     return abs(c - r) / max(abs(r), floor)
 
@@ -37,12 +37,12 @@ def _oracle_note(rescued: list[dict], total: dict | None, th: Mapping) -> str:
             where = f"{len(rows)} tensor(s)" if kind == "param" else f"{len(rows)} step(s)"
             name = "final params" if kind == "param" else kind
             what = "rel L2" if kind == "param" else "rel"
-            parts.append(f"{name} judged against the fp32 oracle at {where} (direct {what} {_fmt(worst)} > "
-                         f"{_fmt(float(th[_THRESHOLD_KEY[kind]]))})")
+            parts.append(f"{name} judged against the fp32 oracle at {where} (direct {what} {fmt_num(worst)} > "
+                         f"{fmt_num(float(th[_THRESHOLD_KEY[kind]]))})")
     if total and total.get("rescued"):
         r = total["rescued"]
-        parts.append(f"final params total judged against the fp32 oracle (direct rel L2 {_fmt(r['total_rel_l2'])} "
-                     f"> {_fmt(r['threshold_total'])})")
+        parts.append(f"final params total judged against the fp32 oracle (direct rel L2 {fmt_num(r['total_rel_l2'])} "
+                     f"> {fmt_num(r['threshold_total'])})")
     return "; ".join(parts)
 
 
@@ -58,7 +58,7 @@ def _step_checks(ref: dict, cand: dict, steps: list[int], th: Mapping, floor: fl
     oracle = None
     slack = float(cfg.get("oracle_slack", 2.0))
     if oracle_dir is not None:
-        oracle, _ = _by_step(read_trace(oracle_dir)[1])
+        oracle, _ = by_step(read_trace(oracle_dir)[1])
         evidence["oracle"] = {"dir": str(oracle_dir), "slack": slack, "rescued": []}
     ref_err_max = {m: 0.0 for m, _ in metrics}
     for s in steps:
@@ -118,7 +118,7 @@ def _final_params_check(ref_dir, cand_dir, oracle_dir, cfg: Mapping, th: Mapping
                 return float((y64 - x64).norm()) / max(float(x64.norm()), floor)
 
             per_tensor, diff2, ref2 = {}, 0.0, 0.0
-            for name in _param_order(set(rp) | set(cp)):
+            for name in param_order(set(rp) | set(cp)):
                 a, b = rp.get(name), cp.get(name)
                 if a is None or b is None or a.shape != b.shape:
                     e = math.inf
@@ -164,7 +164,7 @@ def _final_params_check(ref_dir, cand_dir, oracle_dir, cfg: Mapping, th: Mapping
                     final_ev["oracle_total"]["rescued"] = {"total_rel_l2": total, "threshold_total": tot_th}
                     total = min(total, tot_th)
             if not total <= tot_th:
-                problems.append(f"final params: total rel L2 {_fmt(total)} > {tot_th:g}")
+                problems.append(f"final params: total rel L2 {fmt_num(total)} > {tot_th:g}")
     return final_ev
 
 
@@ -173,16 +173,16 @@ def _summary(precision: str, n_steps: int, metric_ev: dict, final_ev: dict, evid
     """The one-line summary of a tolerance verdict: the worst errors when it passed, else its first exceedance."""
     first = divergences[0] if divergences else None
     if not divergences and not problems:
-        worst_parts = [f"{m} max rel {_fmt(v['max_rel'])} (step {v['worst_step']})" for m, v in metric_ev.items()
+        worst_parts = [f"{m} max rel {fmt_num(v['max_rel'])} (step {v['worst_step']})" for m, v in metric_ev.items()
                        if m != "lr"]
         if final_ev.get("compared"):
-            worst_parts.append(f"final params rel L2 {_fmt(final_ev['total_rel_l2'])}")
+            worst_parts.append(f"final params rel L2 {fmt_num(final_ev['total_rel_l2'])}")
         summary = f"{precision}: {n_steps} steps within tolerance; " + "; ".join(worst_parts)
         note = _oracle_note(evidence.get("oracle", {}).get("rescued", []), final_ev.get("oracle_total"), th)
         if note:
             summary += f"; {note}"
     elif first is not None:
-        rel = (f" rel {_fmt(first['rel_err'])} > {_fmt(first['threshold'])}" if "rel_err" in first
+        rel = (f" rel {fmt_num(first['rel_err'])} > {fmt_num(first['threshold'])}" if "rel_err" in first
                else " (must be equal)")
         summary = f"{precision}: first exceedance {describe_divergence(first)}{rel}; {len(divergences)} exceedance(s)"
         if problems:
@@ -221,7 +221,7 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
     final params are required and missing. Raises FileNotFoundError without ``trace.jsonl``, ConfigError when
     the yaml has no thresholds for the precision.
     """
-    cfg = _tier_cfg("tolerance", cfg)
+    cfg = tier_settings("tolerance", cfg)
     ref_meta, ref_recs = read_trace(ref_dir)
     cand_meta, cand_recs = read_trace(cand_dir)
     problems: list[str] = []
@@ -240,8 +240,8 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
     evidence["thresholds"] = th
     floor = float(cfg["denominator_floor"])
 
-    ref, _ = _by_step(ref_recs)
-    cand, _ = _by_step(cand_recs)
+    ref, _ = by_step(ref_recs)
+    cand, _ = by_step(cand_recs)
     steps = sorted(ref)
     max_steps = cfg.get("max_steps")
     if max_steps is not None:
@@ -259,7 +259,7 @@ def tolerance(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = N
     evidence["steps_compared"] = len(steps)
     evidence["metrics"] = metric_ev
 
-    n_total = _trace_length(ref_recs)
+    n_total = trace_length(ref_recs)
     final_ev = _final_params_check(ref_dir, cand_dir, oracle_dir, cfg, th, n_total, evidence, divergences, problems)
     order = {"tokens": 0, "loss": 1, "grad_norm": 2, "lr": 3, "param": 4}
     divergences.sort(key=lambda d: (d["step"], order[d["kind"]]))  # stable: tensors stay in hf order
