@@ -50,7 +50,9 @@ class StepResult:
         own keys (``forgetrain.run.loop``; a key of the standard record is refused with ValueError there). A
         mixture of experts reports ``moe_tokens_per_expert`` (per layer, per expert: tokens routed there over the
         step's micro-batches) and ``moe_load_balancing_loss`` (per layer: the unweighted load-balancing loss, mean
-        over micro-batches; only with ``moe_aux_loss_coeff > 0``).
+        over micro-batches; only with ``moe_aux_loss_coeff > 0``); an engine that drops tokens at a capacity
+        limit also reports ``moe_dropped_tokens`` (tokens, an int or per layer). The harness shows their scalars
+        (:func:`forgetrain.metrics.moe_metrics`) and the bitwise tier compares the first two exactly.
     """
 
     loss: float

@@ -114,6 +114,48 @@ def mfu_formula_label(peak_label: str, model_cfg=None) -> str:
             f"{moe}; {peak_label}")
 
 
+MOE_METRIC_KEYS = ("moe_lb_loss", "moe_max_load", "moe_dropped_tokens")  # :func:`moe_metrics`'s keys, in order
+
+
+def moe_metrics(rec: dict, model_cfg) -> dict[str, float | int]:
+    """A mixture of experts' per-step scalars for the progress line and W&B, from a step's trace record ``rec``
+    (its ``StepResult.extra``) and the run's ModelConfig; empty for a dense model (``num_experts`` None and no
+    ``moe_*`` value in ``rec``). Each key is present only where its source is:
+
+    * ``moe_lb_loss``: the mean over layers of ``moe_load_balancing_loss`` (``[L]``, Megatron's Switch loss
+      before the ``moe_aux_loss_coeff`` weight; dimensionless, 1.0 at a uniform routing);
+    * ``moe_max_load``: the expert load imbalance, max / mean of ``moe_tokens_per_expert`` (``[L][E]`` tokens)
+      over every layer and expert; a dimensionless ratio, 1.0 when perfectly balanced, ``E / topk`` at worst. A
+      dropless layer routes the same ``tokens x topk`` as every other, so this is also the worst layer's own
+      max / mean. Absent when no token was routed;
+    * ``moe_dropped_tokens``: tokens dropped by a capacity limit this step, summed over layers: the engine's own
+      ``moe_dropped_tokens`` (an int, or ``[L]`` ints) where it reports one; else 0 where the config is dropless
+      (``moe_expert_capacity_factor`` None: each expert takes every token routed to it); else absent (a
+      capacity factor and no count reported: unknown, never shown as 0)."""
+    out: dict[str, float | int] = {}
+    moe = getattr(model_cfg, "num_experts", None) is not None
+    lb = rec.get("moe_load_balancing_loss")
+    if lb:
+        out["moe_lb_loss"] = sum(float(x) for x in lb) / len(lb)
+    tpe = rec.get("moe_tokens_per_expert")
+    counts = [int(c) for layer in tpe for c in layer] if tpe else []
+    if counts and sum(counts) > 0:
+        out["moe_max_load"] = max(counts) / (sum(counts) / len(counts))
+    dropped = rec.get("moe_dropped_tokens")
+    if dropped is not None:
+        out["moe_dropped_tokens"] = int(sum(dropped)) if isinstance(dropped, (list, tuple)) else int(dropped)
+    elif moe and getattr(model_cfg, "moe_expert_capacity_factor", None) is None:
+        out["moe_dropped_tokens"] = 0
+    return out
+
+
+def moe_progress_fields(metrics: dict) -> dict[str, str]:
+    """:func:`moe_metrics`'s values formatted for the progress line, same keys: ``moe_lb_loss`` to 4 decimals,
+    ``moe_max_load`` as a multiple of the mean load (``1.37x``), ``moe_dropped_tokens`` as an integer count."""
+    fmt = {"moe_lb_loss": "{:.4f}", "moe_max_load": "{:.2f}x", "moe_dropped_tokens": "{:d}"}
+    return {k: fmt[k].format(metrics[k]) for k in MOE_METRIC_KEYS if k in metrics}
+
+
 def cpu_model() -> str:
     """The CPU's identity as the matrix library sees it: ``/proc/cpuinfo``'s "model name", its "cpu family" and
     "model" numbers and the widest vector ISA it offers, e.g. "AMD EPYC (family 25 model 17, avx512)"; else the

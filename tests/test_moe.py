@@ -1,12 +1,15 @@
 """The Qwen3-MoE engine (``scenarios/qwen3_moe``, scenario ``qwen3_moe_tiny_cpu``) and the harness's MoE fields:
 bitwise against Megatron-core's MoE GPTModel on CPU at the ``qwen3_moe_micro`` shape (fp32, bf16), wrong engines
 rejected (top-k probabilities not renormalised, aux-loss weight x2, expert outputs summed in another order), the
-HF Qwen3-MoE exchange, the parameter counts and the active-parameter MFU, and the config refusals."""
+HF Qwen3-MoE exchange, the parameter counts and the active-parameter MFU, the config refusals, and the MoE metrics
+of the progress line and W&B (load-balancing loss, expert load imbalance, dropped tokens) and of the bitwise tier."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +58,24 @@ def test_moe_engine_is_bitwise_vs_megatron(tmp_path, precision):
         assert r["moe_load_balancing_loss"] == c["moe_load_balancing_loss"]
         # 2 micro-batches x 64 tokens x top-2 routed per layer
         assert [sum(x) for x in r["moe_tokens_per_expert"]] == [256, 256]
+    # the tier compared them, and rejects the same candidate with one layer's routing doctored (losses equal)
+    from forgetrain.equivalence import bitwise
+
+    ok = bitwise(tmp_path / "reference" / "trace", tmp_path / "candidate" / "trace")
+    assert ok.passed and "MoE routing" in ok.summary, ok.summary
+    assert ok.evidence["moe"]["steps_compared"] == {"moe_tokens_per_expert": 4, "moe_load_balancing_loss": 4}
+    bad = tmp_path / "doctored"
+    shutil.copytree(tmp_path / "candidate" / "trace", bad)
+    cand = [dict(c) for c in recs["candidate"]]
+    tpe = [list(layer) for layer in cand[1]["moe_tokens_per_expert"]]
+    tpe[0][0], tpe[0][1] = tpe[0][0] + 1, tpe[0][1] - 1  # one token moved between experts: same total
+    cand[1]["moe_tokens_per_expert"] = tpe
+    (bad / "trace.jsonl").write_text("".join(json.dumps(c, sort_keys=True) + "\n" for c in cand))
+    v = bitwise(tmp_path / "reference" / "trace", bad)
+    assert not v.passed and v.evidence["mismatch_counts"] == {"moe_tokens_per_expert": 1}, v.summary
+    d = v.first_divergence
+    assert (d["step"], d["kind"], d["layer"], d["cand"]) == (2, "moe_tokens_per_expert", 0, tpe[0]), d
+    assert "step 2 moe_tokens_per_expert layer 0" in v.summary
 
 
 # ------------------------------------------------------------------------------------------ wrong engines
@@ -231,3 +252,154 @@ def test_bad_moe_combinations_are_one_error_line(tmp_path, args, match):
     lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (p.returncode, p.stderr)
     assert match in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------------------ MoE metrics
+def test_moe_metrics_scalars_and_honest_dropped_tokens():
+    from forgetrain.metrics import moe_metrics, moe_progress_fields
+
+    rec = {"moe_tokens_per_expert": [[60, 68, 70, 58], [100, 28, 64, 64]], "moe_load_balancing_loss": [1.0, 1.5]}
+    got = moe_metrics(rec, MOE_MICRO)
+    assert got == {"moe_lb_loss": 1.25, "moe_max_load": 100 / 64, "moe_dropped_tokens": 0}
+    assert moe_progress_fields(got) == {"moe_lb_loss": "1.2500", "moe_max_load": "1.56x", "moe_dropped_tokens": "0"}
+    # a capacity factor without a reported count: unknown, never shown as 0; a reported count (per layer) is summed
+    capped = dataclasses.replace(MOE_MICRO, moe_expert_capacity_factor=1.0)
+    assert "moe_dropped_tokens" not in moe_metrics(rec, capped)
+    assert moe_metrics({**rec, "moe_dropped_tokens": [3, 4]}, capped)["moe_dropped_tokens"] == 7
+    # no aux loss reported (moe_aux_loss_coeff 0): no moe_lb_loss; a dense model: nothing
+    assert set(moe_metrics({"moe_tokens_per_expert": rec["moe_tokens_per_expert"]}, MOE_MICRO)) == \
+        {"moe_max_load", "moe_dropped_tokens"}
+    assert moe_metrics({"loss": 1.0}, dataclasses.replace(MOE_MICRO, num_experts=None)) == {}
+
+
+def _train_cfg(out: Path, *overrides: str):
+    """A 2-step CPU run of the composed config with ``overrides`` (no checkpoints, eval or sample; a fixed peak)."""
+    from hydra import compose, initialize_config_dir
+
+    from forgetrain.config import register_configs, to_run_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        c = to_run_config(compose(config_name="config", overrides=list(overrides)))
+    return dataclasses.replace(
+        c, train=dataclasses.replace(c.train, steps=2, micro_batch_size=2, global_batch_size=4, lr_warmup_steps=1,
+                                     save=False, sample_tokens=0, eval_interval=0, out_dir=str(out)),
+        hardware=dataclasses.replace(c.hardware, peak_tflops=1.0), logger=dataclasses.replace(c.logger, name="wandb"))
+
+
+class _FakeWandb:
+    """Stands in for forgetrain.metrics.WandbLogger: keeps what each step logs."""
+    logged: list = []
+
+    def __init__(self, *args, **kwargs):
+        self.run = type("R", (), {"id": "fake", "url": "-"})()
+        _FakeWandb.logged = []
+
+    def log(self, metrics, step):
+        _FakeWandb.logged.append((step, metrics))
+
+    def finish(self):
+        pass
+
+
+def _last_postfix(err: str) -> dict[str, str]:
+    """The key=value fields of the progress bar's last drawing of step 2/2."""
+    post = re.findall(r"\| 2/2 \[([^\]]*)\]", err)  # [elapsed<left, rate, key=value, ...]
+    assert post, err[-2000:]
+    return dict(kv.split("=", 1) for kv in post[-1].split(", ") if "=" in kv)
+
+
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_progress_line_and_wandb_show_moe_metrics_for_moe_only(tmp_path, capsys, monkeypatch, model):
+    from forgetrain.metrics import MOE_METRIC_KEYS, moe_metrics, moe_progress_fields
+    from forgetrain.run import phases
+    from forgetrain.train import train
+    from tests.helpers import records
+
+    monkeypatch.setattr(phases, "WandbLogger", _FakeWandb)
+    over = ["scenario=qwen3_moe_tiny_cpu", "model=qwen3_moe_micro"] if model == "moe" else ["model=llama_micro"]
+    c = _train_cfg(tmp_path / "run", *over)
+    train(c, progress=True)
+    shown = _last_postfix(capsys.readouterr().err)
+    last = records(tmp_path / "run")[-1]
+    logged = dict(_FakeWandb.logged)[2]
+    if model == "dense":
+        assert "loss" in shown and not [k for k in shown if k.startswith("moe")], shown
+        assert not [k for k in logged if k.startswith("moe")], logged
+        return
+    want = moe_metrics(last, c.model)
+    assert set(want) == set(MOE_METRIC_KEYS) and want["moe_dropped_tokens"] == 0  # dropless
+    assert 1.0 <= want["moe_max_load"] <= c.model.num_experts / c.model.moe_router_topk
+    assert {k: shown[k] for k in MOE_METRIC_KEYS} == moe_progress_fields(want), shown
+    assert {k: logged[k] for k in MOE_METRIC_KEYS} == want
+    assert logged["moe_tokens_per_expert"] == last["moe_tokens_per_expert"]
+
+
+def _moe_run(n_layers: int = 2, n_experts: int = 4) -> dict:
+    """:func:`tests.equivalence_helpers.base_run` with a mixture of experts' routing statistics in every record."""
+    from tests.equivalence_helpers import base_run
+
+    run = base_run()
+    for r in run["records"]:
+        s = r["step"]
+        r["moe_tokens_per_expert"] = [[64 + (s + i + e) % 3 - 1 for e in range(n_experts)] for i in range(n_layers)]
+        r["moe_load_balancing_loss"] = [1.0 + 0.01 * s + 0.001 * i for i in range(n_layers)]
+    return run
+
+
+def _judge(tmp_path, mutate=None, ref_mutate=None):
+    import copy
+
+    from forgetrain.equivalence import bitwise
+    from tests.equivalence_helpers import write_run
+
+    run = _moe_run()
+    ref, cand = copy.deepcopy(run), copy.deepcopy(run)
+    for m, r in ((ref_mutate, ref), (mutate, cand)):
+        if m is not None:
+            m(r)
+    return bitwise(write_run(tmp_path / "ref", ref), write_run(tmp_path / "cand", cand))
+
+
+def test_bitwise_compares_moe_routing_exactly(tmp_path):
+    import math
+
+    ok = _judge(tmp_path / "ok")
+    assert ok.passed and "MoE routing" in ok.summary
+    assert ok.evidence["moe"]["steps_compared"] == {"moe_tokens_per_expert": 6, "moe_load_balancing_loss": 6}
+
+    def moved(run):  # step 4, layer 1: one token moved between experts; loss, grads and params all equal
+        tpe = run["records"][3]["moe_tokens_per_expert"][1]
+        tpe[0], tpe[2] = tpe[0] - 1, tpe[2] + 1
+    v = _judge(tmp_path / "tpe", moved)
+    assert not v.passed and v.evidence["mismatch_counts"] == {"moe_tokens_per_expert": 1}
+    d = v.first_divergence
+    assert (d["step"], d["kind"], d["layer"]) == (4, "moe_tokens_per_expert", 1) and d["ref"] != d["cand"]
+    assert "step 4 moe_tokens_per_expert layer 1" in v.summary
+
+    def ulp(run):  # one ulp of layer 0's load-balancing loss at step 2
+        lb = run["records"][1]["moe_load_balancing_loss"]
+        lb[0] = math.nextafter(lb[0], math.inf)
+    v = _judge(tmp_path / "lb", ulp)
+    assert not v.passed and (v.first_divergence["step"], v.first_divergence["kind"]) == (2, "moe_load_balancing_loss")
+    assert "step 2 moe_load_balancing_loss layer 0" in v.summary
+
+    def nan(run):
+        run["records"][0]["moe_load_balancing_loss"][1] = float("nan")
+    v = _judge(tmp_path / "nan", nan, ref_mutate=nan)  # NaN on both sides never passes
+    assert not v.passed and v.first_divergence["kind"] == "moe_load_balancing_loss"
+
+    def fewer_layers(run):
+        run["records"][0]["moe_tokens_per_expert"].pop()
+    v = _judge(tmp_path / "layers", fewer_layers)
+    assert not v.passed and v.first_divergence["kind"] == "moe_tokens_per_expert"
+
+
+def test_bitwise_moe_routing_recorded_by_one_side_is_not_compared_and_said(tmp_path):
+    def strip(run):
+        for r in run["records"]:
+            del r["moe_tokens_per_expert"], r["moe_load_balancing_loss"]
+    v = _judge(tmp_path, strip)
+    assert v.passed and not v.evidence["moe"]["compared"]
+    assert "MoE routing NOT compared (only the reference records moe_load_balancing_loss, moe_tokens_per_expert)" \
+        in v.summary, v.summary

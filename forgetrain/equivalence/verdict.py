@@ -5,7 +5,7 @@ Thresholds never live in code: each tier's are in ``conf/tier/<name>.yaml`` with
 
 A verdict's ``first_divergence`` is ``None`` or a dict with at least ``step``, ``kind`` (one of
 :data:`DIVERGENCE_KINDS`), ``ref`` and ``cand``, plus ``tensor`` (parameter name) or ``module`` (neutral module
-name) where one applies.
+name) or ``layer`` (a mixture of experts' layer index, for the ``moe_*`` kinds) where one applies.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ TIER_CONF_DIR = REPO_ROOT / "conf" / "tier"
 REFERENCES_DIR = REPO_ROOT / "references"  # a reference's own tier overrides: references/<name>/<tier>.yaml
 
 DIVERGENCE_KINDS = ("tokens", "loss", "grad_norm", "lr", "per_token_loss", "param", "grad", "clipped_grad",
-                    "module_fwd", "module_grad")
+                    "module_fwd", "module_grad", "moe_tokens_per_expert", "moe_load_balancing_loss")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -183,11 +183,17 @@ def fmt_num(x: Any) -> str:
     return str(x)
 
 
+def _fmt_list(x: Any, width: int = 60) -> str:
+    """A list value, shortened to ``width`` characters (``...]`` marks the cut)."""
+    s = str(x)
+    return s if len(s) <= width else s[: width - 4] + "...]"
+
+
 def describe_divergence(d: dict | None) -> str:
     """One short line for a ``first_divergence`` dict (``-`` when None), used in summaries and the table."""
     if not d:
         return "-"
-    where = d.get("tensor") or d.get("module") or ""
+    where = d.get("tensor") or d.get("module") or (f"layer {d['layer']}" if d.get("layer") is not None else "")
     out = f"step {d.get('step')} {d.get('kind')}" + (f" {where}" if where else "")
     ref, cand = d.get("ref"), d.get("cand")
     if isinstance(ref, dict) and "l2" in ref:
@@ -203,4 +209,7 @@ def describe_divergence(d: dict | None) -> str:
         out += f" (ref {r}, cand {c})"
     elif isinstance(ref, str) and isinstance(cand, str):
         out += f" (digest {ref[:8]} != {cand[:8]})"
+    elif isinstance(ref, list) or isinstance(cand, list):  # e.g. one layer's tokens per expert
+        r, c = _fmt_list(ref), _fmt_list(cand)
+        out += f" (ref {r}, cand {c})"
     return out

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from forgetrain import checkpoint
-from forgetrain.metrics import mfu_metrics
+from forgetrain.metrics import mfu_metrics, moe_metrics, moe_progress_fields
 from forgetrain.run.identity import config_hash, engine_settings
 from forgetrain.run.resume import resume_hint
 from forgetrain.trace import tensor_digest, tensor_digests
@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 def run_loop(run: Run, progress: bool) -> None:
     """Steps ``start`` .. ``stop``: one engine step on this rank's micro-batches, its trace record (timings, MFU,
-    digests, step-1 module probes, evaluation), the progress bar, W&B, checkpoints. Raises DivergenceError on a
+    digests, step-1 module probes, evaluation), the progress bar, W&B (the record without its digests, plus a
+    mixture of experts' scalars: :func:`forgetrain.metrics.moe_metrics`), checkpoints. Raises DivergenceError on a
     non-finite loss and Interrupted on Ctrl-C, each naming where the run can resume from."""
     env, t, writer = run.env, run.cfg.train, run.writer
     run.stop = min(t.steps, t.stop_after) if t.stop_after else t.steps
@@ -55,9 +56,11 @@ def run_loop(run: Run, progress: bool) -> None:
                 writer.append(rec)
             if not math.isfinite(res.loss):  # NaN or inf
                 _diverged(run, step, res.loss, bar)
-            _show_progress(run, bar, step, rec)
+            moe = moe_metrics(rec, run.cfg.model)  # {} for a dense model
+            _show_progress(run, bar, step, rec, moe)
             if run.wandb_logger:
-                run.wandb_logger.log({k: v for k, v in rec.items() if k not in ("digests", "step")}, step=step + 1)
+                run.wandb_logger.log({**{k: v for k, v in rec.items() if k not in ("digests", "step")}, **moe},
+                                     step=step + 1)
             # the first Ctrl-C: this step is finished, so it is saved (as Megatron's exit signal handler saves before it
             # exits) and the run stops here. Every rank stops after the same step: the request is agreed over the ranks
             # at each step boundary (under torchrun the signal reaches the workers one by one, and a rank already in
@@ -136,8 +139,10 @@ def _diverged(run: Run, step: int, loss: float, bar) -> None:
                           f"check train.adam_eps / train.clip_grad); {resume_hint(run.ckpt_root, run.out)}")
 
 
-def _show_progress(run: Run, bar, step: int, rec: dict) -> None:
-    """This step's metrics first (every ``train.log_interval`` steps), then the count: the redraw shows both."""
+def _show_progress(run: Run, bar, step: int, rec: dict, moe: dict | None = None) -> None:
+    """This step's metrics first (every ``train.log_interval`` steps), then the count: the redraw shows both.
+    ``moe``: a mixture of experts' scalars (:func:`forgetrain.metrics.moe_metrics`; empty or None for a dense
+    model), shown as ``moe_lb_loss``, ``moe_max_load`` and ``moe_dropped_tokens``."""
     if bar is None:
         return
     if (step + 1) % run.cfg.train.log_interval == 0:
@@ -145,6 +150,7 @@ def _show_progress(run: Run, bar, step: int, rec: dict) -> None:
                 "tok/s": f"{rec['tokens_per_s']:,.0f}", "mfu%": f"{rec['mfu_pct']:.1f}"}
         if "mem_gib" in rec:
             post["mem"] = f"{rec['mem_gib']:.1f}G"
+        post.update(moe_progress_fields(moe or {}))
         if run.val_loss is not None:
             post["val"] = f"{run.val_loss:.4f}"
         bar.set_postfix(post, refresh=False)

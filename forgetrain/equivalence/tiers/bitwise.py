@@ -18,12 +18,17 @@ from forgetrain.trace import read_final_params, read_modules, read_trace
 # Order of checks within one step: the order the step produces the quantities in, so the first divergence is where
 # a difference enters. Module probes exist for step 1 only (modules.json). Final params (final.safetensors) come
 # after the last step's per-step params.
-_BITWISE_RANK = {"tokens": 0, "module_fwd": 1, "per_token_loss": 2, "loss": 3, "module_grad": 4, "grad": 5,
-                 "grad_norm": 6, "clipped_grad": 7, "lr": 8, "param": 9, "final_param": 10}
+_BITWISE_RANK = {"tokens": 0, "module_fwd": 1, "moe_tokens_per_expert": 2, "moe_load_balancing_loss": 3,
+                 "per_token_loss": 4, "loss": 5, "module_grad": 6, "grad": 7, "grad_norm": 8, "clipped_grad": 9,
+                 "lr": 10, "param": 11, "final_param": 12}
+# A mixture of experts' routing statistics (StepResult.extra), compared exactly where both traces record them:
+# tokens per expert [L][E] (ints) and the unweighted load-balancing loss [L] (floats); both come from the forward
+MOE_KEYS = ("moe_tokens_per_expert", "moe_load_balancing_loss")
 _DIGEST_KINDS = ("per_token_loss", "grads", "params")  # required with require_digests; clipped_grads is optional
 # digests key -> divergence kind, and whether the backward produces it (then it is ordered in backward order)
 _TENSOR_DIGESTS = (("grads", "grad", True), ("clipped_grads", "clipped_grad", True), ("params", "param", False))
-ORDER = ("by step; within a step: tokens, module_fwd (forward order), per_token_loss, loss, module_grad (backward "
+ORDER = ("by step; within a step: tokens, module_fwd (forward order), moe_tokens_per_expert and "
+         "moe_load_balancing_loss (by layer), per_token_loss, loss, module_grad (backward "
          "order), grad (backward order: hf_param_names reversed), grad_norm, clipped_grad (backward order), lr, "
          "param (forward order); final.safetensors after the last step")
 
@@ -44,13 +49,18 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
       ``forgetrain.train.clipped_grads``) and every ``params[name]`` digest equal (a name present on one side
       only is a mismatch). With ``require_digests`` (default, see the yaml for why) a step lacking any of
       per_token_loss/grads/params on either side fails the tier with that reason;
+    * per step, when both sides recorded them (a mixture of experts, :data:`MOE_KEYS`): ``moe_tokens_per_expert``
+      (``[L][E]`` tokens) and ``moe_load_balancing_loss`` (``[L]``) equal element by element with ``==`` (a NaN
+      never passes); a mismatch names the key (its ``kind``), the step and the ``layer``. Recorded by one side
+      only, they are not compared and a passing summary says so;
     * ``modules.json`` (step-1 probes) when both sides have it: every module's ``fwd`` and ``grad`` digest;
     * ``final.safetensors`` when both sides have it: every tensor ``torch.equal`` (same names, shapes, dtypes).
 
     ``first_divergence`` is where the difference enters: the first mismatch by step, then within a step in the
-    order the step produces things (:data:`ORDER`): tokens, module forwards (forward order), per-token losses,
-    loss, then what the backward produces in the order it produces it -- module gradients from ``output_layer``
-    back to ``embedding``, parameter gradients from ``lm_head.weight`` back to ``model.embed_tokens.weight`` --
+    order the step produces things (:data:`ORDER`): tokens, module forwards (forward order), the MoE routing
+    statistics (by layer), per-token losses, loss, then what the backward produces in the order it produces it --
+    module gradients from ``output_layer`` back to ``embedding``, parameter gradients from ``lm_head.weight`` back
+    to ``model.embed_tokens.weight`` --
     then the grad norm, the clipped gradients (same order), lr and params (forward order). A module gradient is
     the gradient of that module's output, so a ``module_grad`` divergence also names ``produced_by``: the module
     whose backward computed it (the next one in forward order; ``loss`` for ``output_layer``). Final params count
@@ -78,6 +88,7 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
         problems.append(f"reference trace {ref_dir} has no step records")
     steps = sorted(set(ref) | set(cand))
     digests_ev = _compare_steps(ref, cand, steps, cfg, add, problems)
+    moe_ev = _compare_moe(ref, cand, steps, add)
     modules_ev = _compare_modules(read_modules(ref_dir), read_modules(cand_dir), cfg, add, problems)
     final_ev = _compare_final(read_final_params(ref_dir), read_final_params(cand_dir), trace_length(ref_recs),
                               cfg, add, problems)
@@ -92,18 +103,21 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
         "precision": {"ref": ref_meta.get("precision"), "cand": cand_meta.get("precision")},
         "n_mismatches": len(divs), "mismatch_counts": counts,
         "mismatches": divs[: int(cfg["max_reported_mismatches"])],
-        "digests": digests_ev, "modules": modules_ev, "final_params": final_ev, "problems": problems,
+        "digests": digests_ev, "moe": moe_ev, "modules": modules_ev, "final_params": final_ev, "problems": problems,
         "order": ORDER, "config": cfg,
     }
     first = divs[0] if divs else None
     passed = not divs and not problems
     covered = ["loss", "grad_norm", "lr"] + (["digests"] if digests_ev["compared"] else []) + \
         (["clipped grads"] if digests_ev["clipped_grads_steps"] else []) + \
+        (["MoE routing"] if moe_ev["compared"] else []) + \
         (["modules"] if modules_ev["compared"] else []) + (["final params"] if final_ev["compared"] else [])
     if passed:
         summary = f"{len(steps)} steps bit-identical ({', '.join(covered)})"
         if not digests_ev["compared"]:
             summary += "; digests NOT compared"
+        if moe_ev["one_sided_steps"] and not moe_ev["compared"]:
+            summary += f"; MoE routing NOT compared ({moe_ev['reason']})"
     elif divs:
         summary = f"first divergence: {describe_divergence(first)}; {len(divs)} mismatch(es)"
     else:
@@ -167,6 +181,48 @@ def _compare_steps(ref: dict, cand: dict, steps: list[int], cfg: dict, add, prob
     if digest_steps == 0:
         ev["reason"] = "neither trace has digests" if not one_sided else "only one trace has digests"
     return ev
+
+
+def _compare_moe(ref: dict, cand: dict, steps: list[int], add) -> dict:
+    """Per step present on both sides, each of :data:`MOE_KEYS` that both records carry, compared layer by layer
+    (``add`` one mismatch per differing layer, ``layer`` its index; a different layer count is one mismatch of the
+    whole value). Returns the MoE evidence: steps compared and steps where one side only recorded a key."""
+    compared = {k: 0 for k in MOE_KEYS}
+    one_sided: dict[str, dict[str, int]] = {}
+    for s in steps:
+        r, c = ref.get(s), cand.get(s)
+        if r is None or c is None:
+            continue  # reported by _compare_steps
+        for key in MOE_KEYS:
+            if key in r and key in c:
+                compared[key] += 1
+                rv, cv = r[key], c[key]
+                if isinstance(rv, list) and isinstance(cv, list) and len(rv) == len(cv):
+                    for i, (a, b) in enumerate(zip(rv, cv)):
+                        if not _nested_equal(a, b):
+                            add(s, key, a, b, order=i, layer=i)
+                elif not _nested_equal(rv, cv):
+                    add(s, key, rv, cv, note="the two sides record different layer counts")
+            elif key in r or key in c:
+                side = "reference" if key in r else "candidate"
+                one_sided.setdefault(key, {}).setdefault(side, 0)
+                one_sided[key][side] += 1
+    ev: dict[str, Any] = {"compared": any(compared.values()), "steps_compared": compared,
+                          "one_sided_steps": one_sided}
+    if one_sided:
+        sides = sorted({side for d in one_sided.values() for side in d})
+        ev["reason"] = f"only the {sides[0]} records {', '.join(sorted(one_sided))}" if len(sides) == 1 else \
+            f"each side records some of {', '.join(sorted(one_sided))} alone"
+    return ev
+
+
+def _nested_equal(a: Any, b: Any) -> bool:
+    """Lists of the same length equal element by element (recursively), numbers with :func:`_exact_equal` (NaN and
+    missing values never pass, unlike Python's list ``==``, which takes an identical NaN object as equal)."""
+    if isinstance(a, list) or isinstance(b, list):
+        return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and \
+            all(_nested_equal(x, y) for x, y in zip(a, b))
+    return _exact_equal(a, b)
 
 
 def _compare_modules(rm: dict | None, cm: dict | None, cfg: dict, add, problems: list[str]) -> dict:
