@@ -395,11 +395,15 @@ def test_bitwise_compares_moe_routing_exactly(tmp_path):
     assert not v.passed and v.first_divergence["kind"] == "moe_tokens_per_expert"
 
 
-def test_bitwise_moe_routing_recorded_by_one_side_is_not_compared_and_said(tmp_path):
+def test_bitwise_moe_routing_missing_from_the_candidate_fails_and_from_the_reference_is_said(tmp_path):
     def strip(run):
         for r in run["records"]:
             del r["moe_tokens_per_expert"], r["moe_load_balancing_loss"]
-    v = _judge(tmp_path, strip)
+    v = _judge(tmp_path / "cand", strip)  # an engine that hides its routing from the judge is not judged bitwise
+    assert not v.passed and not v.evidence["moe"]["compared"]
+    assert "the candidate's trace lacks moe_load_balancing_loss, moe_tokens_per_expert" in " ".join(
+        v.evidence["problems"]), v.evidence["problems"]
+    v = _judge(tmp_path / "ref", lambda run: None, ref_mutate=strip)  # a reference that does not report them
     assert v.passed and not v.evidence["moe"]["compared"]
-    assert "MoE routing NOT compared (only the reference records moe_load_balancing_loss, moe_tokens_per_expert)" \
+    assert "MoE routing NOT compared (only the candidate records moe_load_balancing_loss, moe_tokens_per_expert)" \
         in v.summary, v.summary

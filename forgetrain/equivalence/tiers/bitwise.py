@@ -51,8 +51,9 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
       per_token_loss/grads/params on either side fails the tier with that reason;
     * per step, when both sides recorded them (a mixture of experts, :data:`MOE_KEYS`): ``moe_tokens_per_expert``
       (``[L][E]`` tokens) and ``moe_load_balancing_loss`` (``[L]``) equal element by element with ``==`` (a NaN
-      never passes); a mismatch names the key (its ``kind``), the step and the ``layer``. Recorded by one side
-      only, they are not compared and a passing summary says so;
+      never passes); a mismatch names the key (its ``kind``), the step and the ``layer``. Recorded by the
+      reference only, the tier fails (the candidate's routing cannot be judged); by the candidate only (a
+      reference that does not report them), they are not compared and a passing summary says so;
     * ``modules.json`` (step-1 probes) when both sides have it: every module's ``fwd`` and ``grad`` digest;
     * ``final.safetensors`` when both sides have it: every tensor ``torch.equal`` (same names, shapes, dtypes).
 
@@ -89,6 +90,10 @@ def bitwise(ref_dir: str | Path, cand_dir: str | Path, cfg: Mapping | None = Non
     steps = sorted(set(ref) | set(cand))
     digests_ev = _compare_steps(ref, cand, steps, cfg, add, problems)
     moe_ev = _compare_moe(ref, cand, steps, add)
+    if missing := sorted(k for k, d in moe_ev["one_sided_steps"].items() if "reference" in d):
+        # the reference routes through experts and the candidate does not say how: its routing cannot be judged
+        problems.append(f"the candidate's trace lacks {', '.join(missing)}, which the reference records "
+                        f"(a mixture of experts reports them through StepResult.extra)")
     modules_ev = _compare_modules(read_modules(ref_dir), read_modules(cand_dir), cfg, add, problems)
     final_ev = _compare_final(read_final_params(ref_dir), read_final_params(cand_dir), trace_length(ref_recs),
                               cfg, add, problems)
@@ -217,12 +222,12 @@ def _compare_moe(ref: dict, cand: dict, steps: list[int], add) -> dict:
 
 
 def _nested_equal(a: Any, b: Any) -> bool:
-    """Lists of the same length equal element by element (recursively), numbers with :func:`_exact_equal` (NaN and
+    """Lists of the same length equal element by element (recursively), numbers with :func:`exact_equal` (NaN and
     missing values never pass, unlike Python's list ``==``, which takes an identical NaN object as equal)."""
     if isinstance(a, list) or isinstance(b, list):
         return isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and \
             all(_nested_equal(x, y) for x, y in zip(a, b))
-    return _exact_equal(a, b)
+    return exact_equal(a, b)
 
 
 def _compare_modules(rm: dict | None, cm: dict | None, cfg: dict, add, problems: list[str]) -> dict:
