@@ -9,8 +9,9 @@ rejected naming its class, and the honest plan still sealing.
   that lacks the tier (caught: every judged copy holds the final install's bytes); and a forged state that a
   resume reads back (:func:`test_a_forged_state_is_judged_again_on_resume`);
 * class 3 in the plain re-check: a daemon the engine's user run leaves behind to overwrite the judge's golden;
-* class 7, the reference in disguise: megatron-core and references/megatron copied in, renamed, and again
-  with a ``pass`` inserted in every body (no whole function hashes as the original);
+* class 7, the reference in disguise: megatron-core and references/megatron copied in, renamed, again with a
+  ``pass`` inserted in every body (no whole function hashes as the original), and again written as UTF-7 source
+  (one comment line to a scan that reads it as UTF-8 text, the module to Python);
 * class 8, writing outside the workspace: the shared data cache poisoned by absolute path, manifest and all.
 
 One real forge run (llama_micro, 2-4 steps per gate run, the candidate isolated by the operating system where
@@ -51,6 +52,7 @@ ROUNDS = [  # (patch, class, label, what a problem line names)
     ("escape_judged_flags", 6, "rejected: honest only when judged", "fails the gate that its judged runs passed"),
     ("escape_plain_daemon", 3, "rejected: unscanned code", "the installed engine's user run started outlived it"),
     ("escape_seal_json_tell", 6, "rejected: honest only when judged", "fails the gate that its workspace copy passed"),
+    ("escape_disguise_utf7", 7, "rejected: reference in disguise", "declares the source encoding 'utf-7'"),
 ]
 
 

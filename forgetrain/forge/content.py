@@ -23,11 +23,13 @@ reordered, loops rewritten) passes every name check, so this one compares *code*
    copied statements) are one *run*; runs shorter than :data:`MIN_RUN` tokens (idioms any Llama has) are not
    counted (:func:`measure`).
 
-The engine is refused (:func:`scan`) when its longest run reaches :data:`LONG_RUN` tokens or its counted shared
-tokens, over all its files, reach :data:`MAX_SHARED`. The counts are absolute, so padding a copy with honest code
-does not dilute it. The thresholds were calibrated on the honest engines of ``scenarios/`` (which must pass), on
-plain and disguised copies of megatron-core and ``references/megatron`` and on further rewrites (which must be
-refused): ``docs/forge.md`` (the content check) holds the table, ``tests/test_forge_content.py`` replays it.
+Each engine file is read by :func:`forgetrain.guard.engine_source`, as Python compiles it (a file Python would read
+as other text than the scanned, a UTF-7 coding cookie, is refused there). The engine is refused (:func:`scan`) when
+its longest run reaches :data:`LONG_RUN` tokens or its counted shared tokens, over all its files, reach
+:data:`MAX_SHARED`. The counts are absolute, so padding a copy with honest code does not dilute it. The thresholds
+were calibrated on the honest engines of ``scenarios/`` (which must pass), on plain and disguised copies of
+megatron-core and ``references/megatron`` and on further rewrites (which must be refused): ``docs/forge.md`` (the
+content check) holds the table, ``tests/test_forge_content.py`` replays it.
 
 The index costs a parse of every file of the frameworks (about 1,100 files); :func:`index_for` keeps it in the
 process's memory, never in a file another process could rewrite, and reuses a file's fingerprints while its size
@@ -42,6 +44,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from forgetrain.guard import UnscannableSource, engine_source
 
 # The values and their calibration: docs/forge.md (the content check), replayed by tests/test_forge_content.py.
 K = 20  # tokens per k-gram (a statement is 5-20): K of 16 to 32 separate the same cases, shorter ones do not
@@ -277,10 +281,11 @@ def measure_source(src: str, index: dict, filename: str = "<src>") -> dict:
 def measure(engine_dir: Path, index: dict) -> dict:
     """Per ``.py`` file of ``engine_dir`` (relative to its parent), :func:`measure_source`; and over all of them
     ``tokens``, ``shared``, ``counted`` (tokens in runs of :data:`MIN_RUN` or more) and ``longest`` (the longest
-    run). Raises SyntaxError."""
+    run). Each file is read by :func:`forgetrain.guard.engine_source`. Raises SyntaxError, and UnscannableSource
+    (a ConfigError) for a file Python would compile as other text than the scanned."""
     out = {"files": {}, "tokens": 0, "shared": 0, "counted": 0, "longest": 0}
     for f in _py_files(engine_dir):
-        m = measure_source(f.read_text(), index, str(f))
+        m = measure_source(engine_source(f), index, str(f))
         out["files"][os.path.relpath(f, Path(engine_dir).parent)] = m
         out["tokens"] += m["tokens"]
         out["shared"] += m["shared"]
@@ -292,8 +297,8 @@ def measure(engine_dir: Path, index: dict) -> dict:
 def _defs(path: Path) -> list[tuple[int, int, str]]:
     """(first line, last line, "function NAME" or "class NAME") of every def and class of ``path``."""
     try:
-        tree = ast.parse(path.read_text())
-    except (SyntaxError, OSError, ValueError):
+        tree = ast.parse(engine_source(path))
+    except (SyntaxError, OSError, ValueError, UnscannableSource):
         return []
     return [(n.lineno, n.end_lineno or n.lineno, f"{'class' if isinstance(n, ast.ClassDef) else 'function'} {n.name}")
             for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
@@ -309,7 +314,7 @@ def scan(engine_dir: Path, index: dict) -> list[str]:
     """What ``engine_dir``'s ``.py`` files share with the index, as ``file:lines: what`` lines (longest run
     first), when it is enough to refuse the engine: a run of :data:`LONG_RUN` tokens or more, or
     :data:`MAX_SHARED` tokens in runs of :data:`MIN_RUN` or more (the module docstring); empty otherwise.
-    Raises SyntaxError."""
+    Raises SyntaxError and UnscannableSource (:func:`measure`)."""
     m = measure(engine_dir, index)
     if m["longest"] < LONG_RUN and m["counted"] < MAX_SHARED:
         return []

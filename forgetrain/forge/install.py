@@ -20,7 +20,7 @@ from pathlib import Path
 
 from forgetrain.errors import ConfigError, one_line_errors
 from forgetrain.forge.workspace import ENGINE_DIR, REPO_ROOT, file_hashes, source_hash
-from forgetrain.guard import scan_tree
+from forgetrain.guard import UnscannableSource, scan_tree
 from forgetrain.trace import atomic_write_bytes
 
 
@@ -99,7 +99,11 @@ def install(seal_dir: str | Path, dest: str | Path, force: bool = False, staged:
         raise ConfigError(f"{seal_file} cannot be read ({type(e).__name__}: {e})") from None
     want = _sealed_hashes(seal_dir, seal, eng, staged)
     got = source_hash(eng)
-    hits = scan_tree(eng)
+    try:
+        hits = scan_tree(eng)
+    except UnscannableSource as e:
+        raise ConfigError(f"sealed engine holds a file Python would compile as other code than the scanned (escape "
+                          f"class 7): {e}") from None
     if hits:
         raise ConfigError(f"sealed engine imports a reference framework: {hits[0]}")
     from forgetrain.forge import content

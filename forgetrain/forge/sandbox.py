@@ -31,8 +31,11 @@ its class (:func:`reason`), defined once here:
 6. *knowing it is being judged* -- an engine honest only under the gate. Closed by importing it under its
    installed name in a process that looks like a user's run, and by sealing only an installed copy that passed
    the gate again (:mod:`.seal`).
-7. *the reference in disguise* -- a reference framework's code under other names. Closed by the content check
-   (:mod:`.content`) and by refusing edits of the import path (``forgetrain.guard``, the run-time guard).
+7. *the reference in disguise* -- a reference framework's code under other names, or in another encoding. Closed by
+   the content check (:mod:`.content`), by refusing edits of the import path (``forgetrain.guard``, the run-time
+   guard) and by refusing a file Python would compile as other text than the scans read
+   (``forgetrain.guard.engine_source``: a UTF-7 coding cookie, a byte-order mark other than UTF-8's, bytes that are
+   not UTF-8).
 8. *writing outside the workspace* -- poisoned corpora or packages the judge reads. Closed by content hashes in
    the corpora's manifests (``forgetrain.data.integrity``), the bracket of every round and ladder run
    (:mod:`.bracket`), and a candidate process that writes only its run dir (:mod:`.isolate`, the guard).
@@ -52,7 +55,7 @@ from pathlib import Path
 
 from forgetrain.forge import workspace as wsmod
 from forgetrain.forge.runtime_guard import GATE_DIRS, REPO_ROOT
-from forgetrain.guard import scan_tree_findings
+from forgetrain.guard import UnscannableSource, engine_source, scan_tree_findings
 
 ESCAPE_CLASSES = {
     1: "candidate code reaching into the judge",
@@ -269,7 +272,8 @@ def guard_round(ws: Path, rows: list[tuple[str, str]]) -> tuple[str, list[str]]:
     """Judge an agent round's edits before any gate runs: ``rows`` are git's changed paths. Returns (label,
     problems): ``ok``; ``syntax error``; ``rejected: writes outside engine/``; or a rejection naming its escape
     class (bytecode or native modules: class 3; forbidden or hidden imports, ``exec``: class 2; edits of the
-    import path, code shared with a reference framework (:mod:`forgetrain.forge.content`): class 7)."""
+    import path, code shared with a reference framework (:mod:`forgetrain.forge.content`), a file Python would
+    compile as other text than the scans read (``forgetrain.guard.engine_source``): class 7)."""
     outside, links = wsmod.outside_engine(rows), wsmod.engine_symlinks(ws)
     if outside or links:
         return "rejected: writes outside engine/", [f"write outside engine/: {x}" for x in outside] + \
@@ -278,6 +282,16 @@ def guard_round(ws: Path, rows: list[tuple[str, str]]) -> tuple[str, list[str]]:
     if unscanned:
         return GUARD_LABELS[3], [reason(3, f"{x}: bytecode or a native module beside the scanned source (only .py "
                                            f"source runs; the agent's Python writes no bytecode)") for x in unscanned]
+    refused = []
+    for f in sorted((ws / wsmod.ENGINE_DIR).rglob("*.py")):
+        try:
+            engine_source(f)
+        except UnscannableSource as e:
+            refused.append(reason(7, f"{os.path.relpath(e.file, ws)}: {e.what}"))
+        except OSError:
+            pass  # a directory named *.py: the scan below reports what it cannot read
+    if refused:
+        return GUARD_LABELS[7], refused[:20]
     try:
         found = scan_tree_findings(ws / wsmod.ENGINE_DIR)
     except SyntaxError as e:

@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from forgetrain.errors import ConfigError
+from forgetrain.guard import engine_source
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = "engine"
@@ -150,7 +151,7 @@ def _scenario_imports(root: Path) -> set[str]:
     for f in root.rglob("*.py"):
         if any(part in _SKIP for part in f.parts):
             continue
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        for node in ast.walk(ast.parse(engine_source(f), str(f))):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             found.update(n.split(".")[1] for n in names if n.startswith("scenarios.") and n.count(".") >= 1)
@@ -244,10 +245,10 @@ def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_
             _copy_tree(REPO_ROOT / "scenarios" / part, eng / part)
         info["shared"] = list(shared)
     for f in eng.rglob("*.py"):
-        src_text = f.read_text()
+        src_text = engine_source(f)
         new = rewrite_scenario_imports(src_text, package, shared, f.parent.relative_to(eng).parts)
         if new != src_text:
-            f.write_text(new)
+            f.write_text(new, encoding="utf-8")
     _write_scenario(ws, scenario, module, cls)
     for sub, (root, files) in gate_sources(reference).items():
         for f in files:
@@ -398,9 +399,10 @@ _PKG = "_forge_candidate"
 
 class _SourceOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds and loads the candidate package's modules from their ``.py`` source only: every module is compiled
-    from the file the guard scanned, whatever bytecode or native module lies beside it. A name with no ``.py``
-    file is an ImportError (the path finder, which would take a sourceless ``.pyc`` or a ``.so``, is never
-    asked)."""
+    from the file the guard scanned, whatever bytecode or native module lies beside it, and from the text the scans
+    read (:func:`forgetrain.guard.engine_source`: a file Python would decode to other text, a UTF-7 coding cookie,
+    is refused, UnscannableSource). A name with no ``.py`` file is an ImportError (the path finder, which would
+    take a sourceless ``.pyc`` or a ``.so``, is never asked)."""
 
     def __init__(self, package: str, engine_dir: Path):
         self.package, self.engine_dir = package, engine_dir
@@ -423,7 +425,7 @@ class _SourceOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         path = Path(module.__spec__.origin)
-        src = path.read_bytes() if path.is_file() else b""  # a package without __init__.py
+        src = engine_source(path) if path.is_file() else ""  # a package without __init__.py
         exec(compile(src, str(path), "exec", dont_inherit=True), module.__dict__)
 
 
@@ -432,7 +434,8 @@ def load_engine_class(engine_dir: str | Path, package: str = _PKG, entry: str = 
     imports resolve inside it; a dotted ``package`` such as ``scenarios.NAME``, the name the engine is installed
     under, imports its parents as usual) and return its class; ``entry`` = ``<module>:<Class>`` (a workspace's is
     :func:`workspace_entry`). Modules are compiled from their ``.py`` source only (:class:`_SourceOnly`). Raises
-    ImportError / AttributeError."""
+    ImportError / AttributeError, and ``forgetrain.guard.UnscannableSource`` (a ConfigError) for a module Python
+    would read as other text than the scans do."""
     engine_dir = Path(engine_dir).resolve()
     module, _, cls = entry.partition(":")
     for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
