@@ -222,7 +222,7 @@ def scan_tree_findings(path: str | Path) -> list[Finding]:
     """Findings in every ``.py`` file under ``path`` (a file or a directory), each read by :func:`engine_source`.
     Raises SyntaxError, and UnscannableSource for a file Python would compile as other text."""
     p = Path(path)
-    files = [p] if p.is_file() else sorted(p.rglob("*.py"))
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*.py") if f.is_file())
     out = []
     for f in files:
         out += findings(engine_source(f), str(f))

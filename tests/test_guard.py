@@ -208,3 +208,14 @@ def test_scans_and_loader_refuse_what_python_would_run_unscanned(tmp_path, monke
         content.measure(eng, content.build_index([]))
     (eng / "hidden.py").write_text(HIDDEN.replace("import megatron.core\n", "import json\n"))
     assert wsmod.load_engine_class(eng, package="_forge_test_utf7").value == "ran"  # the same module as UTF-8
+
+
+def test_a_directory_named_like_a_module_is_no_crash_of_the_scans(tmp_path):
+    """A directory ``x.py`` under an engine is not a file Python compiles: the scans skip it, not crash on it."""
+    from forgetrain.forge import content
+    from forgetrain.guard import scan_tree
+
+    (tmp_path / "trap.py").mkdir()
+    (tmp_path / "engine.py").write_text("import math\n")
+    assert scan_tree(tmp_path) == []
+    assert content.scan(tmp_path, content.build_index([])) == []

@@ -198,7 +198,7 @@ def reference_roots(workspace: Path | None = None) -> list[Path]:
 
 
 def _py_files(root: Path) -> list[Path]:
-    return [p for p in sorted(Path(root).rglob("*.py")) if "__pycache__" not in p.parts]
+    return [p for p in sorted(Path(root).rglob("*.py")) if "__pycache__" not in p.parts and p.is_file()]
 
 
 def build_index(roots: list[Path], old: dict | None = None) -> dict:

@@ -283,7 +283,7 @@ def guard_round(ws: Path, rows: list[tuple[str, str]]) -> tuple[str, list[str]]:
         return GUARD_LABELS[3], [reason(3, f"{x}: bytecode or a native module beside the scanned source (only .py "
                                            f"source runs; the agent's Python writes no bytecode)") for x in unscanned]
     refused = []
-    for f in sorted((ws / wsmod.ENGINE_DIR).rglob("*.py")):
+    for f in sorted(f for f in (ws / wsmod.ENGINE_DIR).rglob("*.py") if f.is_file()):
         try:
             engine_source(f)
         except UnscannableSource as e:

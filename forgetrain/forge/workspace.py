@@ -148,7 +148,7 @@ def engine_template(spec: str) -> tuple[str, str, str]:
 def _scenario_imports(root: Path) -> set[str]:
     """The second component of every absolute ``scenarios.<x>...`` import in the ``.py`` files under ``root``."""
     found = set()
-    for f in root.rglob("*.py"):
+    for f in (f for f in root.rglob("*.py") if f.is_file()):
         if any(part in _SKIP for part in f.parts):
             continue
         for node in ast.walk(ast.parse(engine_source(f), str(f))):
@@ -244,7 +244,7 @@ def seed(ws: Path, scenario: str, seed_from: str | None, reference: str, ladder_
         for part in shared:
             _copy_tree(REPO_ROOT / "scenarios" / part, eng / part)
         info["shared"] = list(shared)
-    for f in eng.rglob("*.py"):
+    for f in (f for f in eng.rglob("*.py") if f.is_file()):
         src_text = engine_source(f)
         new = rewrite_scenario_imports(src_text, package, shared, f.parent.relative_to(eng).parts)
         if new != src_text:
