@@ -195,9 +195,11 @@ def test_judge_replay_refuses_a_trace_of_another_run(tmp_path):
     assert "describes another run than the one judged" in res["problems"][0][1]
 
 
-@pytest.mark.parametrize("change", [{"compare": "loss_curve"}, {"seed": 12345}, {"steps": 81}])
+@pytest.mark.parametrize("change", [{"compare": "loss_curve"}, {"seed": 12345}, {"steps": 81}, {"tier": None},
+                                    {"tier": "surpass"}, {"tier": "bitwise"}])
 def test_the_judge_s_side_refuses_a_request_that_is_not_a_replay_of_the_re_check(tmp_path, change):
-    """The replay is judged by a pair tier, on a reference seed of the re-check, for at most its curves' steps."""
+    """The replay is judged by a pair tier, on a reference seed of the re-check, for at most its curves' steps; a
+    pair tier's replay on the spec's seed only (a reference seed of the curves is not it)."""
     from forgetrain.forge import secret
     from forgetrain.forge._plain import prepare_replay
     from forgetrain.forge.loop import build_spec
@@ -207,7 +209,8 @@ def test_the_judge_s_side_refuses_a_request_that_is_not_a_replay_of_the_re_check
     drawn = secret.draw(spec["secret"])
     (tmp_path / "spec.json").write_text(json.dumps(secret.judge_spec(spec, drawn, tmp_path / "_data",
                                                                      tmp_path / "golden")))
-    req = {"spec": str(tmp_path / "spec.json"), "gated": str(tmp_path / "none"), "init": str(tmp_path / "none"),
+    req = {"spec": str(tmp_path / "spec.json"), "tier": "loss_curve", "gated": str(tmp_path / "none"),
+           "init": str(tmp_path / "none"),
            "seed": drawn["curve_seeds"][0], "steps": 80, "compare": "bitwise", "want_hash": "x", **change}
     with pytest.raises(RuntimeError, match="not a replay of the re-check's runs"):
         prepare_replay(req, tmp_path / "init.safetensors", tmp_path / "out")

@@ -2,33 +2,36 @@
 
 The gate's candidate process and the installed copy's re-check (:func:`forgetrain.forge.seal.reverify`) run under
 the sandbox: a guard, an audit hook, private mounts, the forge's ``PYTHON*`` flags, the ladder as the parent, a run
-dir under the forge's out dir. An engine that reads any of them can be honest only there. :class:`PlainCheck`
-therefore runs the installed engine once more as a plain user's process, and judges its trace like the ladder.
-The user's run is the same for every tier:
+dir under the forge's out dir, no terminal, and the judge's own settings (digests recorded, no checkpoints, no
+sample). An engine that reads any of them can be honest only there. :class:`PlainCheck` therefore runs the
+installed engine once more as a plain user's process, and compares it with itself as judged:
 
 * a user's project dir (a fresh temporary dir, its name not the forge's) holding the engine installed as
   ``scenarios/<name>/`` by :func:`forgetrain.forge.install.install` (the bytes the re-check judged, checked), a data
   window and init weights; ``python -m forgetrain`` run there through ``sh -c`` (a shell is its parent; its working
   dir first on ``sys.path``, as ``python -m`` puts it, is what makes the package importable, no import machinery of
-  the forge's), with the run's settings as Hydra overrides (:func:`user_overrides`, ``train.init_weights`` among
-  them) and Hydra's own run dir (``outputs/<scenario>/<date>_<time>``); the forge's starting environment without any
-  ``FORGE_*`` variable and without the ``PYTHON*`` variables the sandbox sets (:func:`user_env`); no guard, no audit
-  hook, no private mounts.
-
-What it runs and what it is judged against depend on the tier the engine passed:
-
-* a pair tier (bitwise, tolerance): freshly drawn secret values (seed, steps, data window;
-  :func:`forgetrain.forge.secret.draw`) and the reference's init weights for the drawn seed. No golden of those
-  values exists while it runs: the judge's side (``forgetrain.forge._plain``, a process that never runs candidate
-  code and has loaded its modules before the user's run starts) makes it afterwards, then applies the trace checks
-  of :mod:`forgetrain.forge.recheck` and the tier's judge;
-* a curve tier (loss_curve, or the one surpass rests on), whose engines are in general not step by step close to
-  the reference: a replay of one of the re-check's paired runs (a reference seed drawn among its seeds: that seed's
-  reference init, the re-check's data window, the same settings and thread count). The judge's side reads that
-  gated run's trace, and checks its init against the golden's hash, before the user's run, holds what it read in
-  its own memory, and compares the user's trace with it: bitwise or within the tolerance tier's per-step thresholds,
-  by the rule ``plain_replay`` of ``conf/tier/loss_curve.yaml`` (:func:`replay_rule`). An engine that computes
-  differently where it is not judged does not reproduce its own judged run.
+  the forge's), with the run's settings as Hydra overrides (:func:`user_overrides`) and Hydra's own run dir
+  (``outputs/<scenario>/<date>_<time>``); the forge's starting environment without any ``FORGE_*`` variable and
+  without the ``PYTHON*`` variables the sandbox sets (:func:`user_env`); no guard, no audit hook, no private
+  mounts; a terminal: the command is the leader of a session whose controlling terminal is a fresh
+  pseudo-terminal, its stdin, stdout and stderr on it (:func:`forgetrain.forge.procs.run_on_terminal`; where none
+  can be had it runs without one and the record says so);
+* it replays one of the gated re-check's runs of the tier the engine passed (:func:`replay_config`): a pair tier's
+  (bitwise, tolerance) one run, a curve tier's (loss_curve, or the one surpass rests on) one of its paired runs, a
+  reference seed drawn among the re-check's. Its command carries what the replay needs and nothing a user's
+  default run would not: the init weights that run started from, its data window, seed, steps, LR schedule and
+  thread count, and the configured run's own settings; not the judge's (``train.digests``, ``train.save``,
+  ``train.sample_tokens``, ``train.save_interval``, ``train.overwrite``, ``logger.*``: a user's defaults,
+  :data:`JUDGE_ONLY`), except ``train.save=false`` where the checkpoints would not fit the project dir's disk
+  (recorded);
+* the judge's side (``forgetrain.forge._plain``, a process that never runs candidate code and has loaded its
+  modules before the user's run starts) reads the gated run's trace, checks it as the re-check's run (config hash,
+  steps) and its init against the golden's, before the user's run, and holds what it compares in its own memory;
+  afterwards it compares the user's trace with it by the rule ``plain_replay`` of ``conf/tier/loss_curve.yaml``
+  (:func:`replay_rule`): the per-step loss, grad norm and lr to the bit where the run is deterministic on a listed
+  device (and a pair tier's final weights, which its gated run exported), else the first steps within the
+  tolerance tier's per-step thresholds. An engine that computes differently where it is not judged (another
+  package path, no digests, a terminal) does not reproduce its own judged run.
 
 Around the user's run, which nothing guards, the hashed gate set, the forge's bytecode cache, the judge's files of
 this check and what the judge reads outside the repository are compared (classes 4, 3, 1 and 8); its process
@@ -40,6 +43,7 @@ naming class 6.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -48,7 +52,6 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 # what the sandbox sets in its processes' environments (forgetrain.forge.sandbox.sandbox_env): never in a user's run
@@ -114,6 +117,23 @@ def _composed(overrides: list[str]):
         HydraConfig.instance().cfg = saved_cfg
 
 
+# the settings the judge gives its own runs (forgetrain.equivalence.runs.run_cfg, the forge's spec) and a replay
+# does not need: a user's run takes the scenario's defaults for them (replay_config)
+JUDGE_ONLY = {"train": ("digests", "sample_tokens", "sample_prompt", "save", "save_interval", "overwrite"),
+              "logger": ("name", "plots", "project", "mode")}
+
+
+def _scenario_base(rc) -> list[str]:
+    """``scenario=<name>`` and, where ``rc``'s model is a preset, ``model=<name>`` (chosen as a group, as a user
+    chooses it)."""
+    from forgetrain.cli import CONF_DIR
+
+    base = [f"scenario={rc.scenario.name}"]
+    if (Path(CONF_DIR) / "model" / f"{rc.model.name}.yaml").is_file():
+        base.append(f"model={rc.model.name}")
+    return base
+
+
 def user_overrides(rc, engine: str) -> list[str]:
     """The overrides a user passes to ``python -m forgetrain`` for the run ``rc`` of the engine ``engine``
     (``scenarios.<name>.<module>:<Class>``): ``scenario=<name>``, the engine, and every setting that differs from
@@ -122,11 +142,8 @@ def user_overrides(rc, engine: str) -> list[str]:
     from forgetrain.errors import ConfigError
     from forgetrain.train import config_hash
 
-    from forgetrain.cli import CONF_DIR
-
-    base = [f"scenario={rc.scenario.name}", f"scenario.engine={_value(engine)}"]
-    if (Path(CONF_DIR) / "model" / f"{rc.model.name}.yaml").is_file():
-        base.append(f"model={rc.model.name}")  # a preset is chosen as a group, as a user chooses it
+    base = _scenario_base(rc)
+    base.insert(1, f"scenario.engine={_value(engine)}")
     composed = _composed(base)
     want = _leaves({k: v for k, v in dataclasses.asdict(rc).items() if k != "scenario"})
     out, keys = list(base), []
@@ -176,11 +193,11 @@ def _watch_problems(run, before: dict, judged: list[Path], judge_sig: dict) -> l
     return out
 
 
-def replay_rule(rc, curve_steps: int) -> tuple[str, int]:
-    """How a curve tier's plain user run replays a gated run of the configuration ``rc`` (a RunConfig) whose
-    curves are ``curve_steps`` steps long: (``"bitwise"``, ``curve_steps``) where the run is deterministic
+def replay_rule(rc, gated_steps: int) -> tuple[str, int]:
+    """How the plain user run replays a gated run of the configuration ``rc`` (a RunConfig) that is
+    ``gated_steps`` steps long: (``"bitwise"``, ``gated_steps``) where the run is deterministic
     (``train.deterministic`` on a device of ``bitwise_devices``), else (``"tolerance"``, the first
-    ``tolerance_steps`` steps, at most ``curve_steps``). The rule and its rationale: ``plain_replay`` in
+    ``tolerance_steps`` steps, at most ``gated_steps``). The rule and its rationale: ``plain_replay`` in
     ``conf/tier/loss_curve.yaml``. Raises ConfigError when that section is missing or malformed."""
     from forgetrain.equivalence.verdict import load_tier
     from forgetrain.errors import ConfigError
@@ -194,24 +211,68 @@ def replay_rule(rc, curve_steps: int) -> tuple[str, int]:
     if n <= 0:
         raise ConfigError(f"conf/tier/loss_curve.yaml: plain_replay.tolerance_steps must be positive, got {n}")
     if rc.train.deterministic and rc.hardware.device in devices:
-        return "bitwise", int(curve_steps)
-    return "tolerance", min(n, int(curve_steps))
+        return "bitwise", int(gated_steps)
+    return "tolerance", min(n, int(gated_steps))
 
 
-def replay_config(rc, curve_steps: int, seed: int, steps: int, threads: int | None, root: Path):
-    """The RunConfig of a user's run that replays the first ``steps`` steps of a curve tier's paired run of the
-    reference seed ``seed`` (``curve_steps`` steps of the judge's configuration ``rc``, as
-    :func:`forgetrain.verify.curve_candidate_runs` runs it: no digests, the LR schedule pinned to the whole curve's,
-    so fewer steps replay the same learning rates), reading the init weights ``root/init.safetensors`` and the data
-    window ``root/data/train``, on ``threads`` CPU threads (not hashed; None: torch's default). Raises TypeError
-    for a setting that is no field of ``rc.train``."""
-    from forgetrain.equivalence.runs import run_cfg
+def user_defaults(rc):
+    """The RunConfig a user's ``python -m forgetrain scenario=<name> [model=<preset>]`` composes to."""
+    return _composed(_scenario_base(rc))
 
-    user = run_cfg(rc, Path("."), steps=int(curve_steps), digests=False, seed=int(seed))
-    user.train = dataclasses.replace(user.train, steps=int(steps), out_dir=None, threads=threads,
-                                     init_weights=str(root / "init.safetensors"))
-    user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
+
+def replay_config(rc, gated_steps: int, seed: int, steps: int, threads: int | None, root: Path):
+    """The RunConfig of a user's run that replays the first ``steps`` steps of a gated run of the seed ``seed``
+    (``gated_steps`` steps of the judge's configuration ``rc``, as :func:`forgetrain.equivalence.runs.run_cfg` has
+    verify run it: the LR schedule pinned to the whole run's, so fewer steps replay the same learning rates),
+    reading the init weights ``root/init.safetensors`` and the data window ``root/data/train``, on ``threads`` CPU
+    threads (not hashed; None: torch's default). The settings of :data:`JUDGE_ONLY` are the scenario's defaults
+    (:func:`user_defaults`: no digests, checkpoints and the end-of-run sample as a user gets them), and the LR
+    decay horizon is left to default where it is the run's own length: a user's command carries what the replay
+    needs and nothing else."""
+    defaults = user_defaults(rc)
+    t = rc.train
+    decay = t.lr_decay_steps if t.lr_decay_steps is not None else max(int(t.steps), int(gated_steps))
+    user = copy.deepcopy(rc)
+    user.train = dataclasses.replace(
+        t, steps=int(steps), seed=int(seed), lr_decay_steps=None if decay == int(steps) else decay, out_dir=None,
+        resume=False, stop_after=None, threads=threads, init_weights=str(root / "init.safetensors"),
+        **{k: getattr(defaults.train, k) for k in JUDGE_ONLY["train"]})
+    user.logger = dataclasses.replace(rc.logger, **{k: getattr(defaults.logger, k) for k in JUDGE_ONLY["logger"]})
+    user.data = dataclasses.replace(rc.data, path=str(root / "data" / "train"))
     return user
+
+
+def fit_disk(user, root: Path) -> list[str]:
+    """Where the outputs of the user's run ``user`` (a RunConfig; checkpoints and final weights as a user's
+    default run writes them) would not fit the disk under ``root`` (:func:`forgetrain.disk.check`), turn off first
+    the checkpoints, then the final weights' export, in place. Returns the overrides so added (empty: none)."""
+    from forgetrain import disk
+    from forgetrain.errors import ConfigError
+
+    added = []
+    for field in ("save", "final_params"):
+        try:
+            disk.check(user, root)
+            break
+        except ConfigError:
+            user.train = dataclasses.replace(user.train, **{field: False})
+            added.append(f"train.{field}=false")
+    return added
+
+
+def gated_run(rdir: Path, spec: dict, tier: str, seed: int | None = None) -> tuple[Path, Path]:
+    """The trace dir and init file of the re-check's (its ladder run, ``rdir/reverify``) gated run that the user's
+    run replays: for a pair tier ``tier``, its one run (``<tier>/candidate/trace``, from ``<tier>/init/
+    init.safetensors``); for a curve tier, its paired run of the reference seed ``seed``
+    (``candidate/candidate_paired_seed<N>/trace``, from ``init/seed_<N>.safetensors``) under the speed target's dir
+    when ``spec``'s target is a speed tier (its run carries the curve tier's), else under the curve tier's own."""
+    from forgetrain.equivalence import registry
+
+    if registry.find(tier).kind == registry.PAIR:
+        d = rdir / "reverify" / tier
+        return d / "candidate" / "trace", d / "init" / "init.safetensors"
+    d = curve_dir(rdir, spec, tier)
+    return d / "candidate" / f"candidate_paired_seed{seed}" / "trace", d / "init" / f"seed_{seed}.safetensors"
 
 
 def curve_dir(rdir: Path, spec: dict, tier: str) -> Path:
@@ -227,21 +288,15 @@ def curve_dir(rdir: Path, spec: dict, tier: str) -> Path:
 
 class PlainCheck:
     """The plain re-check of one round (module docstring). Made before the installed copy's gated re-check, so
-    that the judge's side prepares (imports, and for a pair tier the window and the reference's init) while that
-    runs; :meth:`run` then runs the installed engine as a user's process and judges it; :meth:`close` ends the
-    judge's side and removes the user's project dir. ``passed``: the ladder result that met the target; ``name``:
-    the installed package's name. A pair tier's user run gets fresh values; a curve tier's replays one of the
-    re-check's paired runs (``replay``), which exists only once that re-check has run. Raises ConfigError when the
-    judged run cannot be written as a user's command line, RuntimeError when ``passed`` names no pair or curve
-    tier passed."""
+    that the judge's side loads its modules while that runs; :meth:`run` then chooses the re-check's run to replay,
+    runs the installed engine as a user's process and has it judged; :meth:`close` ends the judge's side and
+    removes the user's project dir. ``passed``: the ladder result that met the target; ``name``: the installed
+    package's name. Raises RuntimeError when ``passed`` names no pair or curve tier passed."""
 
     def __init__(self, run, rdir: Path, passed: dict, name: str):
-        from forgetrain.config import to_run_config
         from forgetrain.equivalence import registry
-        from forgetrain.equivalence.runs import run_cfg
-        from forgetrain.forge import procs, sandbox, secret
+        from forgetrain.forge import procs, sandbox
         from forgetrain.forge import workspace as wsmod
-        from forgetrain.train import config_hash
 
         self.run_, self.rdir, self.judge, self.root, self.log = run, rdir, None, None, None
         self.tier = tier = passed.get("strictest_passed")
@@ -250,44 +305,26 @@ class PlainCheck:
         if kind not in (registry.PAIR, registry.CURVE):
             raise RuntimeError(f"the ladder result that met the target names no pair or curve tier passed "
                                f"(strictest_passed: {tier!r}): there is no run to re-check as a user's")
-        self.replay = kind == registry.CURVE
+        self.pair = kind == registry.PAIR
         self.d = d = rdir / "plain"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-        self.root = root = Path(tempfile.mkdtemp())  # the user's project dir
+        self.root = Path(tempfile.mkdtemp())  # the user's project dir
         self.name = name  # the package name the re-check imports it under
         self.engine = f"scenarios.{self.name}.{wsmod.workspace_entry(run.ws)}"
+        self.overrides = None
         self.log = open(d / "judge.log", "wb")
-        common = [wsmod.python(), "-m", "forgetrain.forge._plain", "--init", str(d / "init.safetensors"), "--out",
-                  str(d)]
-        if self.replay:  # the judge's side loads its modules now, and waits for the replay's request
-            self.drawn, self.overrides = None, None
-            self.judge = procs.start_group(
-                common + ["--replay"], cwd=d, env=sandbox.sandbox_env(run.pycache, writable=True),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
-            return
-        self.drawn = drawn = secret.draw(run.spec["secret"])
-        jspec = secret.judge_spec(dict(run.spec, tiers=[tier], target_tier=tier), drawn, d / "_data", d / "golden")
-        # the run the ladder's candidate makes (forgetrain.verify's settings), from the reference's init, on a copy
-        user = run_cfg(to_run_config(jspec["run_config"]), Path("."), steps=int(drawn["steps"]), digests=True)
-        user.train = dataclasses.replace(user.train, out_dir=None, init_weights=str(root / "init.safetensors"))
-        user.data = dataclasses.replace(user.data, path=str(root / "data" / "train"))
-        (d / "spec.json").write_text(json.dumps(jspec))
+        # the judge's side loads its modules now, and waits for the replay's request
         self.judge = procs.start_group(
-            common + ["--spec", str(d / "spec.json"), "--want-hash", config_hash(user)], cwd=d,
-            env=sandbox.sandbox_env(run.pycache, writable=True), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [wsmod.python(), "-m", "forgetrain.forge._plain", "--init", str(d / "init.safetensors"), "--out", str(d)],
+            cwd=d, env=sandbox.sandbox_env(run.pycache, writable=True), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log)
-        try:
-            self.overrides = user_overrides(user, self.engine)
-        except BaseException:
-            self.close()
-            raise
 
     def run(self, installed: dict[str, str]) -> tuple[list, dict]:
         """Install the engine (its re-checked files hash as ``installed``) into the user's project dir, run it and
         judge it. Returns (problems as (escape class, what), the record for ``seal.json``). Raises RuntimeError
-        when the judge's side fails, ConfigError when a curve tier's replay cannot be written as a user's command
-        line, OSError when the re-check's run it replays cannot be read."""
+        when the judge's side fails, ConfigError when the replay cannot be written as a user's command line,
+        OSError when the re-check's run it replays cannot be read."""
         from forgetrain.forge import workspace as wsmod
         from forgetrain.forge.install import install
 
@@ -297,19 +334,16 @@ class PlainCheck:
         install(self.run_.out / ".seal_stage", dest, force=True, staged=True)
         if {f: h for f, h in wsmod.file_hashes(dest).items() if f != "SEAL.json"} != installed:
             return [(6, f"the copy installed for the user's run at {dest} does not hash as the re-checked one")], {}
-        record = {"run": True, "tier": self.tier}
-        watched = []
-        if self.replay:
-            record["replay"] = self._request_replay()
-            watched = [Path(record["replay"]["of"])]
-        else:
-            record["drawn"] = self.drawn
-        return _user_run(self.run_, self.d, self.root, self.judge, self.overrides, record, watched)
+        record = {"run": True, "tier": self.tier, "replay": self._request_replay()}
+        return _user_run(self.run_, self.d, self.root, self.judge, self.overrides, record,
+                         [Path(record["replay"]["of"])])
 
     def _request_replay(self) -> dict:
-        """Choose the re-check's paired run to replay, compose the user's command line for it and send the judge's
-        side its request (``--replay``). Returns the record's ``replay`` entry: ``of`` (the gated run's trace dir),
-        ``seed``, ``steps``, ``compare`` and the ``rule``'s source."""
+        """Choose the re-check's run to replay (a pair tier's one run; a curve tier's paired run of a reference seed
+        drawn among the re-check's), compose the user's command line for it and send the judge's side its request.
+        Returns the record's ``replay`` entry: ``of`` (the gated run's trace dir), ``seed``, ``steps`` (of
+        ``of_steps``), ``compare``, ``threads``, the overrides kept for the disk (``disk``) and the ``rule``'s
+        source."""
         import secrets
 
         from forgetrain.config import to_run_config
@@ -319,21 +353,25 @@ class PlainCheck:
 
         jspec = json.loads((self.rdir / "reverify" / "spec.json").read_text())
         rc, vcfg = to_run_config(jspec["run_config"]), VerifyConfig(**jspec["verify"])
-        seed = secrets.SystemRandom().choice(list(vcfg.seeds))
-        tdir = curve_dir(self.rdir, jspec, self.tier)
-        gated = tdir / "candidate" / f"candidate_paired_seed{seed}" / "trace"
+        if self.pair:
+            seed, of_steps = int(rc.train.seed), int(vcfg.steps)
+        else:
+            seed, of_steps = secrets.SystemRandom().choice(list(vcfg.seeds)), int(vcfg.curve_steps)
+        gated, init = gated_run(self.rdir, jspec, self.tier, seed)
         meta = json.loads((gated / "meta.json").read_text())
-        compare, steps = replay_rule(rc, vcfg.curve_steps)
+        compare, steps = replay_rule(rc, of_steps)
         threads = rc.train.threads or (meta.get("versions") or {}).get("threads")
-        user = replay_config(rc, vcfg.curve_steps, seed, steps, threads, self.root)
+        user = replay_config(rc, of_steps, seed, steps, threads, self.root)
+        disk = fit_disk(user, self.root)
         self.overrides = user_overrides(user, self.engine)
-        req = {"spec": str(self.rdir / "reverify" / "spec.json"), "gated": str(gated), "seed": seed, "steps": steps,
-               "compare": compare, "init": str(tdir / "init" / f"seed_{seed}.safetensors"),
-               "want_hash": config_hash(user)}
+        req = {"spec": str(self.rdir / "reverify" / "spec.json"), "tier": self.tier, "gated": str(gated),
+               "seed": seed, "steps": steps, "compare": compare, "init": str(init), "want_hash": config_hash(user),
+               "final_params": bool(user.train.final_params)}
         (self.d / "spec.json").write_text(json.dumps(req))
         self.judge.stdin.write((json.dumps({"replay": req}) + "\n").encode())
         self.judge.stdin.flush()
-        return {"of": str(gated), "seed": seed, "steps": steps, "compare": compare, "threads": threads,
+        return {"of": str(gated), "seed": seed, "steps": steps, "of_steps": of_steps, "compare": compare,
+                "threads": threads, "disk": disk,
                 "rule": f"conf/tier/loss_curve.yaml plain_replay (version {load_tier('loss_curve')['version']})"}
 
     def close(self) -> None:
@@ -349,9 +387,9 @@ class PlainCheck:
 
 def _user_run(run, d: Path, root: Path, judge, overrides: list[str], record: dict,
               watched: list[Path]) -> tuple[list, dict]:
-    """Run the user's command (``overrides``) in ``root`` once the judge's side is ready, then have it judge the
-    trace. ``record`` (``tier``, and ``drawn`` or ``replay``) gets the run's command, exit status, time and the
-    judge's findings; ``watched``: more of the judge's inputs that the user's run must leave alone (class 1).
+    """Run the user's command (``overrides``) in ``root`` on a terminal once the judge's side is ready, then have
+    it judge the trace. ``record`` (``tier``, ``replay``) gets the run's command, exit status, time, terminal and
+    the judge's findings; ``watched``: more of the judge's inputs that the user's run must leave alone (class 1).
     Returns (problems as (escape class, what), the record)."""
     from forgetrain.forge import procs, sandbox
     from forgetrain.forge.workspace import python
@@ -364,14 +402,12 @@ def _user_run(run, d: Path, root: Path, judge, overrides: list[str], record: dic
     watched_sig, judge_sig = _watch(run), sandbox.stat_signature(judged)
     procs.become_subreaper()  # what the user's run leaves behind (setsid, a double fork) is re-parented here
     kids = set(procs.children())
-    t0 = time.monotonic()
-    with open(d / "run.log", "wb") as log:
-        rc, timed_out, _ = procs.run_group(["/bin/sh", "-c", f"{cmd}; exit $?"], cwd=root, env=user_env(),
-                                           timeout_s=run.opts.ladder_timeout_s, stdin=subprocess.DEVNULL,
-                                           stdout=log, stderr=subprocess.STDOUT)
+    rc, timed_out, secs, terminal = procs.run_on_terminal(["/bin/sh", "-c", f"{cmd}; exit $?"], cwd=root,
+                                                          env=user_env(), timeout_s=run.opts.ladder_timeout_s,
+                                                          log_path=d / "run.log")
     left = procs.kill_leftovers(kids)  # before the judge compares: nothing of the user's run acts after this
-    record.update({"command": f"sh -c '{cmd}; exit $?'", "cwd": "<project>", "rc": rc,
-                   "seconds": round(time.monotonic() - t0, 1)})
+    record.update({"command": f"sh -c '{cmd}; exit $?'", "cwd": "<project>", "rc": rc, "seconds": round(secs, 1),
+                   "terminal": terminal})
     problems = [(3, f"a process the installed engine's user run started outlived it ({x}; killed): it could act "
                     f"on what the judge compares it with afterwards") for x in left]
     problems += _watch_problems(run, watched_sig, judged, judge_sig)
@@ -380,7 +416,7 @@ def _user_run(run, d: Path, root: Path, judge, overrides: list[str], record: dic
         judge.stdin.write(b'{"stop": "the user\'s run failed"}\n')
         judge.stdin.flush()
         if not problems:
-            tail = (d / "run.log").read_text(errors="replace")[-1500:]
+            tail = (d / "run.log").read_text(errors="replace").replace("\r\n", "\n")[-1500:]
             why = "timed out" if timed_out else f"exited {rc}" if rc != 0 else "wrote no trace"
             problems = [(6, f"the installed engine, run as a user's run (python -m forgetrain), {why}; the end of "
                             f"its output: {tail.strip()[-600:]}")]
@@ -396,23 +432,32 @@ def _user_run(run, d: Path, root: Path, judge, overrides: list[str], record: dic
     if judge.returncode != 0 or not res_file.is_file():
         raise RuntimeError(f"the judge's side of the plain re-check failed; see {d / 'judge.log'}")
     res = json.loads(res_file.read_text())
-    record.update({k: res[k] for k in ("passed", "window", "golden_absent_during_run", "init_sha256", "replayed")
-                   if k in res}, verdicts=[{k: v[k] for k in ("tier", "passed", "summary")}
-                                           for v in res.get("verdicts", [])])
+    record.update({k: res[k] for k in ("passed", "window", "init_sha256", "replayed") if k in res},
+                  verdicts=[{k: v.get(k) for k in ("tier", "passed", "summary", "first_divergence")}
+                            for v in res.get("verdicts", [])])
     if res["problems"]:
         return [(int(c), f"the installed engine's user run: {p}") for c, p in res["problems"]], record
     if not res["passed"]:
-        why = next((f"{v['tier']} {v['summary']}" for v in res.get("verdicts", []) if not v["passed"]), "no verdict")
-        rep = record.get("replay")
-        if rep:
-            return [(6, f"the installed engine, run as a user's run (python -m forgetrain in a plain process, a "
-                        f"shell its parent), does not reproduce the gated run it replays ({rep['steps']} steps of "
-                        f"the re-check's paired run of seed {rep['seed']}, compared {rep['compare']}): {why}. It "
-                        f"computes differently where it is not judged")], record
+        bad = next((v for v in res.get("verdicts", []) if not v["passed"]), None)
+        why = f"{bad['tier']} {bad['summary']}" if bad else "no verdict"
+        step = ((bad or {}).get("first_divergence") or {}).get("step")
+        rep = record["replay"]
+        which = record["tier"] if record["replay"]["of"].endswith("/candidate/trace") else f"paired {record['tier']}"
+        where = f"the re-check's {which} run of seed {rep['seed']}"
         return [(6, f"the installed engine, run as a user's run (python -m forgetrain in a plain process, a shell "
-                    f"its parent, fresh secret values), fails the gate that its judged runs passed: {why}. It "
+                    f"its parent, {_terminal_words(record['terminal'])}, a user's settings), does not reproduce "
+                    f"the gated run it replays ({rep['steps']} of the {rep['of_steps']} steps of {where}, compared "
+                    f"{rep['compare']}){'' if step is None else f'; first divergent step {step}'}: {why}. It "
                     f"computes differently where it is not judged")], record
     return [], record
+
+
+def _terminal_words(terminal: dict) -> str:
+    if terminal.get("pty") and terminal.get("controlling"):
+        return "a terminal its controlling terminal"
+    if terminal.get("pty"):
+        return "a terminal its stdin, stdout and stderr (not its controlling terminal)"
+    return "no terminal (none could be opened)"
 
 
 def _ready(judge, d: Path, timeout_s: float) -> None:

@@ -210,6 +210,89 @@ def run_group(cmd, *, cwd: Path, env: dict, timeout_s: float | None, stdin=None,
     return rc, timed_out, time.monotonic() - t0
 
 
+TERMINAL_SIZE = (24, 80)  # rows, columns: a pseudo-terminal's window, as a terminal emulator opens one
+
+
+def _controlling_terminal() -> None:
+    """In the child, after ``setsid``: make stdin (the pty's slave) the session's controlling terminal."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def run_on_terminal(cmd, *, cwd: Path, env: dict, timeout_s: float | None,
+                    log_path: Path) -> tuple[Optional[int], bool, float, dict]:
+    """Run ``cmd`` as a user's command typed at a terminal: in a session of its own (its process group's leader)
+    whose controlling terminal is a fresh pseudo-terminal (``os.openpty``, a :data:`TERMINAL_SIZE` window), with
+    stdin, stdout and stderr on its slave; what it writes is drained from the master into ``log_path`` (the
+    terminal's output processing included: ``\\r\\n`` line ends). Its group's leftovers are killed when it
+    returns, as :func:`run_group` does. Where no pseudo-terminal can be had (no ``/dev/ptmx``, none free,
+    ``TIOCSCTTY`` refused), it runs as :func:`run_group` would, stdin ``/dev/null`` and output to ``log_path``,
+    and the record says why. Returns (rc or None, timed_out, seconds, the terminal's record: ``pty``,
+    ``controlling``, ``size``, or ``why`` not)."""
+    import fcntl
+    import struct
+    import termios
+
+    t0 = time.monotonic()
+    try:
+        master, slave = os.openpty()
+    except OSError as e:
+        why = f"no pseudo-terminal could be opened ({type(e).__name__}: {e})"
+        with open(log_path, "wb") as log:
+            rc, timed_out, secs = run_group(cmd, cwd=cwd, env=env, timeout_s=timeout_s, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        return rc, timed_out, secs, {"pty": False, "why": why}
+    record: dict = {"pty": True, "controlling": True, "size": list(TERMINAL_SIZE)}
+    p = None
+    try:
+        try:
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", *TERMINAL_SIZE, 0, 0))
+        except OSError:
+            record["size"] = None
+        for ctty in (True, False):  # the pty as the controlling terminal; where refused, as stdio alone
+            try:
+                p = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=slave, stdout=slave, stderr=slave,
+                                     start_new_session=True, preexec_fn=_controlling_terminal if ctty else None)
+                break
+            except (subprocess.SubprocessError, OSError) as e:
+                if not ctty:
+                    raise
+                record.update(controlling=False, why=f"TIOCSCTTY refused ({type(e).__name__}: {e})")
+        _ACTIVE.add(p)
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)  # the child holds it now: the master reads EOF (EIO) once every holder has closed it
+
+    def drain() -> None:
+        try:
+            with open(log_path, "wb") as log:
+                while True:
+                    try:
+                        chunk = os.read(master, 65536)
+                    except OSError:  # EIO: no process holds the slave any more
+                        break
+                    if not chunk:
+                        break
+                    log.write(chunk)
+                    log.flush()
+        finally:
+            os.close(master)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        rc, timed_out = wait_group(p, timeout_s)
+    finally:
+        # a process that left the group may still hold the slave (the caller kills it: kill_leftovers); the
+        # drain then ends, and closes the master, by itself
+        reader.join(timeout=5.0)
+    return rc, timed_out, time.monotonic() - t0, record
+
+
 def kill_active(*_) -> None:
     """SIGKILL every group this process started and has not reaped, and every process it adopted as a subreaper;
     reap them; then exit 143. Installed as the ladder's SIGTERM handler, so that killing the ladder (its time limit,

@@ -9,8 +9,8 @@ engine where it will live (``forge.install``, else ``<out>/installed/<name>``), 
 ``python -m forgetrain.forge.install``, and runs the same gate again, in fresh processes, on the installed copy:
 its own files, its own path, imported as a user's config names it (with the secret values of the run it
 re-checks where the operating system isolated that run, fresh ones otherwise), and then once more as a plain
-user's process with no sandbox (:class:`forgetrain.forge.plain.PlainCheck`: with fresh values at a pair tier, as a
-replay of one of the re-check's paired runs at a curve tier). Only an engine
+user's process with no sandbox, a user's settings and a terminal (:class:`forgetrain.forge.plain.PlainCheck`: a
+replay of one of the re-check's runs, which it must reproduce). Only an engine
 whose installed copy passes both is sealed (:func:`seal`); otherwise the round is rejected naming class 6, and a
 previous engine at the destination is put back.
 """
