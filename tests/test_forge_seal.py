@@ -151,7 +151,7 @@ def test_a_forged_state_is_judged_again_on_resume(tmp_path, data_cache):
     assert "is judged again (round 2, no agent)" in p.stderr
     rec = log_of(out)[-1]
     assert rec["round"] == 2 and rec["mode"] == "resumed" and rec["guard"] == "rejected: honest only when judged", rec
-    assert 6 in _classes(rec) and any("fails the gate that its judged runs passed" in x for x in rec["guard_problems"])
+    assert 6 in _classes(rec) and any(REPLAY_FAILS in x for x in rec["guard_problems"])
     state = json.loads((out / "workspace" / "forge_state.json").read_text())
     assert state["status"] != "sealed" and not (out / "sealed").exists(), state["status"]
 
@@ -314,7 +314,7 @@ _TTY_PROBE = ("import os; print([os.isatty(i) for i in range(3)], os.get_termina
 
 
 def test_the_user_run_has_a_terminal_its_controlling_one(tmp_path):
-    """The user's command runs as the leader of a session whose controlling terminal is a pseudo-terminal, stdin,
+    """The user's command leads a process group of its own (setsid) whose controlling terminal is a pseudo-terminal, stdin,
     stdout and stderr on it, its process group in the foreground; its output reaches the log."""
     from forgetrain.forge import procs
 

@@ -13,7 +13,7 @@ installed engine once more as a plain user's process, and compares it with itsel
   the forge's), with the run's settings as Hydra overrides (:func:`user_overrides`) and Hydra's own run dir
   (``outputs/<scenario>/<date>_<time>``); the forge's starting environment without any ``FORGE_*`` variable and
   without the ``PYTHON*`` variables the sandbox sets (:func:`user_env`); no guard, no audit hook, no private
-  mounts; a terminal: the command is the leader of a session whose controlling terminal is a fresh
+  mounts; a terminal: the command leads a process group of its own (``setsid``) whose controlling terminal is a fresh
   pseudo-terminal, its stdin, stdout and stderr on it (:func:`forgetrain.forge.procs.run_on_terminal`; where none
   can be had it runs without one and the record says so);
 * it replays one of the gated re-check's runs of the tier the engine passed (:func:`replay_config`): a pair tier's

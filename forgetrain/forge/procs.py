@@ -214,7 +214,7 @@ TERMINAL_SIZE = (24, 80)  # rows, columns: a pseudo-terminal's window, as a term
 
 
 def _controlling_terminal() -> None:
-    """In the child, after ``setsid``: make stdin (the pty's slave) the session's controlling terminal."""
+    """In the child, after ``setsid``: make stdin (the pty's slave) the controlling terminal of the group it leads."""
     import fcntl
     import termios
 
