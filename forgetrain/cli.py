@@ -39,8 +39,6 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
-
-
 def precheck_overrides(config_name: str, argv: list[str]) -> None:
     """Compose and validate the run (every job of a ``-m`` sweep) with Hydra's compose API before Hydra creates
     anything, so that a mistake is one ConfigError line and writes nothing.

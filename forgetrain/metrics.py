@@ -191,8 +191,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FORGETRAIN_CACHE", Path.home() / ".cache" / "forgetrain"))
 
 
-
-
 _RUN_PEAK: dict[str, float] = {}  # this process's peak per cache key: one run's tables share one denominator
 _RUN_PEAK_LOAD: dict[str, float] = {}  # the load average of a peak measured under load (not cached), per key
 

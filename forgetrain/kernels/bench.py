@@ -75,8 +75,6 @@ def time_kernel(step, n_sets: int, warmup: int, repeats: int, device: torch.devi
     return [s.elapsed_time(e) for s, e in pairs]
 
 
-
-
 def _summ(ms: list[float], work: dict, bound: str) -> dict:
     med = statistics.median(ms)
     d = {"ms": med, "ms_min": min(ms), "ms_max": max(ms), "n": len(ms)}

@@ -85,8 +85,6 @@ def device_name_of(device: str) -> str:
         ("Triton interpreter)" if interpreting() else "no interpreter)")
 
 
-
-
 def _timings_summary(bench_result: dict | None) -> dict | None:
     if not bench_result:
         return None
